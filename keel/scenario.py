@@ -1,0 +1,623 @@
+"""The scenario: one TOML file, read by the twin and the runtime alike.
+
+Parsed once into frozen dataclasses. Unknown keys, wrong types, impossible values, links to
+regions that do not exist and scheduled faults whose target does not exist are all
+`ScenarioError`s: one sentence that names the file, the key and what was expected.
+Precedence of values: `--set` overrides > file > the defaults documented on each field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from keel.errors import InputError
+
+FAULT_CLASSES = ("hardware_fault", "network_jitter", "partial_cluster_loss", "data_shard_skew")
+# The recovery action each fault class gets under the `absorb` policy (ARCHITECTURE.md's table).
+ABSORB_ACTION = {
+    "hardware_fault": "replicate_resume",
+    "network_jitter": "backpressure_reslot",
+    "partial_cluster_loss": "shard_reweight_failover",
+    "data_shard_skew": "quarantine_resample",
+}
+RESTART_ACTION = "checkpoint_restart"
+
+
+class ScenarioError(InputError):
+    """A scenario (file or override) that cannot be used; the message names file and key."""
+
+
+def _doc(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    if default is dataclasses.MISSING and "default_factory" not in kw:
+        return field(metadata={"doc": text}, **kw)
+    return field(default=default, metadata={"doc": text}, **kw)
+
+
+# ----------------------------------------------------------------------------- schema
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Run:
+    name: str = _doc("name of the run, used in reports", "keel-run")
+    seed: int = _doc("seed of every random choice (fault draws, data order, weights init)", 0)
+    steps: int = _doc("training steps to complete", 1000)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    step_compute_s: float = _doc("fault-free compute time of one slot's micro-batch on a node", 1.0)
+    gradient_bytes: int = _doc("bytes of gradient all-reduced every step", 2_000_000_000)
+    slots: int = _doc("logical data-parallel units, fixed for the run; 0 = one per training node", 0)
+    micro_batch: int = _doc("samples per slot per step", 8)
+    compute_jitter: float = _doc("per-node, per-step compute jitter (coefficient of variation)", 0.02)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Checkpoint:
+    interval_steps: int = _doc("steps between checkpoints", 100)
+    mode: Literal["async", "sync"] = _doc("sync blocks for the write; async snapshots then writes in the background", "async")
+    weights_bytes: int = _doc("bytes of model weights in a checkpoint", 1_000_000_000)
+    optimizer_bytes: int = _doc("bytes of optimizer state in a checkpoint", 2_000_000_000)
+    write_gbyte_s: float = _doc("per-node checkpoint write bandwidth, GB/s", 2.0)
+    read_gbyte_s: float = _doc("per-node checkpoint read bandwidth, GB/s", 4.0)
+    snapshot_gbyte_s: float = _doc("per-node device-to-host snapshot bandwidth for async mode, GB/s", 20.0)
+    keep: int = _doc("complete checkpoints kept on disk (the newest K)", 3)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Region:
+    name: str = _doc("region name, unique")
+    nodes: int = _doc("nodes in the region")
+    gpus_per_node: int = _doc("GPUs per node", 8)
+    intra_gbit_s: float = _doc("per-node bandwidth inside the region, Gbit/s", 400.0)
+    intra_latency_ms: float = _doc("one-way latency between two nodes of the region, ms", 0.01)
+    speed: float = _doc("relative compute speed of the region's nodes (1.0 = nominal)", 1.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Link:
+    a: str = _doc("region at one end")
+    b: str = _doc("region at the other end")
+    rtt_ms: float = _doc("round-trip time, ms", 50.0)
+    gbit_s: float = _doc("bandwidth of the link, Gbit/s", 100.0)
+    jitter_ms: float = _doc("standard deviation of the one-way latency, ms", 0.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareFault:
+    mtbf_node_hours: float = _doc("mean time between failures of one node, hours; 0 = off", 0.0)
+    repair_hours: float = _doc("hours until a failed node is repaired and rejoins as a spare", 4.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NetworkJitter:
+    per_day: float = _doc("latency spikes per day over the cluster; 0 = off", 0.0)
+    spike_ms: float = _doc("extra latency of a spike, ms", 200.0)
+    duration_s: float = _doc("duration of a spike, s", 60.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartialClusterLoss:
+    per_day: float = _doc("rack power events per day over the cluster; 0 = off", 0.0)
+    nodes: int = _doc("nodes of one region lost at once", 4)
+    repair_hours: float = _doc("hours until the lost nodes rejoin as spares", 2.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataShardSkew:
+    per_day: float = _doc("shards that start yielding NaN, per day; 0 = off", 0.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduledFault:
+    at_step: int = _doc("the fault strikes once this many steps are committed")
+    class_: str = _doc("fault class: " + ", ".join(FAULT_CLASSES))
+    target: str = _doc("region/i for a node, a region name, or shard/N")
+    spike_ms: float | None = _doc("network_jitter: overrides faults.network_jitter.spike_ms", None)
+    duration_s: float | None = _doc("network_jitter: overrides faults.network_jitter.duration_s", None)
+    nodes: int | None = _doc("partial_cluster_loss: overrides faults.partial_cluster_loss.nodes", None)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Faults:
+    hardware_fault: HardwareFault = _doc("hardware faults (one node dies)", default_factory=HardwareFault)
+    network_jitter: NetworkJitter = _doc("latency spikes", default_factory=NetworkJitter)
+    partial_cluster_loss: PartialClusterLoss = _doc("several nodes of one region die at once", default_factory=PartialClusterLoss)
+    data_shard_skew: DataShardSkew = _doc("a data shard starts yielding NaN", default_factory=DataShardSkew)
+    schedule: tuple[ScheduledFault, ...] = _doc("deterministic injections, in both tools", ())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Policy:
+    kind: Literal["absorb", "checkpoint_restart"] = _doc("absorb faults in place, or stop and restart from the last checkpoint", "absorb")
+    heartbeat_s: float = _doc("interval between worker heartbeats, s", 1.0)
+    detect_timeout_s: float = _doc("silence after which a worker is declared lost, s", 5.0)
+    hot_spares: int = _doc("idle nodes kept ready to take over slots", 0)
+    restart_s: float = _doc("checkpoint_restart: relaunch and rendezvous time, s", 120.0)
+    replace_node_s: float = _doc("checkpoint_restart: time to get a replacement node when no spare is left, s", 600.0)
+    straggler_factor: float = _doc("a worker slower than this times the median is a straggler", 1.5)
+    straggler_window: int = _doc("consecutive slow steps before a straggler's slots move", 3)
+    quarantine: bool = _doc("quarantine a shard that yields non-finite values", True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Model:
+    d_model: int = _doc("the runtime model's width", 64)
+    layers: int = _doc("transformer blocks", 2)
+    heads: int = _doc("attention heads", 4)
+    context: int = _doc("tokens per sample", 64)
+    lr: float = _doc("AdamW learning rate", 1e-3)
+    weight_decay: float = _doc("AdamW weight decay", 0.01)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Data:
+    shards: int = _doc("shards the versioned dataset is cut into", 16)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Validate:
+    downtime_rel_tol: float = _doc("median relative error allowed on per-fault downtime", 0.10)
+    wall_rel_tol: float = _doc("relative error allowed on wall time", 0.05)
+    repetitions: int = _doc("runtime repetitions per validation", 3)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Scenario:
+    run: Run = _doc("the run", default_factory=Run)
+    workload: Workload = _doc("what one step costs", default_factory=Workload)
+    checkpoint: Checkpoint = _doc("checkpoint policy and costs", default_factory=Checkpoint)
+    regions: tuple[Region, ...] = _doc("the cluster's regions")
+    links: tuple[Link, ...] = _doc("links between regions", ())
+    faults: Faults = _doc("fault profile", default_factory=Faults)
+    policy: Policy = _doc("recovery policy", default_factory=Policy)
+    model: Model = _doc("the runtime's model", default_factory=Model)
+    data: Data = _doc("the runtime's dataset", default_factory=Data)
+    validate: Validate = _doc("validation tolerances, declared before the run", default_factory=Validate)
+    source: str = field(default="<scenario>", compare=False, metadata={"internal": True})
+
+    # -- derived, never stored
+    @property
+    def node_names(self) -> list[str]:
+        return [f"{r.name}/{i}" for r in self.regions for i in range(r.nodes)]
+
+    @property
+    def total_nodes(self) -> int:
+        return sum(r.nodes for r in self.regions)
+
+    @property
+    def training_nodes(self) -> int:
+        return self.total_nodes - self.policy.hot_spares
+
+    @property
+    def slot_count(self) -> int:
+        return self.workload.slots or self.training_nodes
+
+    def region(self, name: str) -> Region:
+        return next(r for r in self.regions if r.name == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    def config_hash(self) -> str:
+        return config_hash(self)
+
+
+# ----------------------------------------------------------------------------- hashing
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        for f in dataclasses.fields(obj):
+            if f.metadata.get("internal"):
+                continue
+            out[_toml_name(f.name)] = _to_plain(getattr(obj, f.name))
+        return out
+    if isinstance(obj, tuple):
+        return [_to_plain(x) for x in obj]
+    return obj
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def config_hash(scenario: Scenario) -> str:
+    """sha256 (64 hex) of the resolved scenario in canonical JSON."""
+    return hashlib.sha256(canonical_json(scenario.to_dict()).encode()).hexdigest()
+
+
+def diff_configs(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Human-readable list of the keys whose values differ between two resolved scenarios."""
+    changes: list[str] = []
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k in sorted(set(old) | set(new)):
+            key = f"{prefix}.{k}" if prefix else k
+            if k not in old:
+                changes.append(f"{key} added ({new[k]!r})")
+            elif k not in new:
+                changes.append(f"{key} removed (was {old[k]!r})")
+            else:
+                changes += diff_configs(old[k], new[k], key)
+    elif isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        for i, (a, b) in enumerate(zip(old, new)):
+            changes += diff_configs(a, b, f"{prefix}.{i}")
+    elif old != new:
+        changes.append(f"{prefix}: {old!r} -> {new!r}")
+    return changes
+
+
+# ----------------------------------------------------------------------------- loading
+
+def _toml_name(py_name: str) -> str:
+    return "class" if py_name == "class_" else py_name
+
+
+def _py_name(toml_name: str) -> str:
+    return "class_" if toml_name == "class" else toml_name
+
+
+def _unit(key: str) -> str:
+    for suffix, unit in (("_ms", "milliseconds"), ("_s", "seconds"), ("_gbit_s", "Gbit/s"),
+                         ("_gbyte_s", "GB/s"), ("_bytes", "bytes"), ("_hours", "hours"),
+                         ("per_day", "per day")):
+        if key.endswith(suffix):
+            unit = "Gbit/s" if key.endswith("_gbit_s") else "GB/s" if key.endswith("_gbyte_s") else unit
+            return f" ({unit})"
+    return ""
+
+
+def _type_name(tp: Any) -> str:
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return str(tp)
+
+
+class _Loader:
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, key: str, message: str) -> typing.NoReturn:
+        where = f"key '{key}'" if key else "top level"
+        raise ScenarioError(f"{self.source}: {where}: {message}")
+
+    def build(self, cls: type, raw: Any, path: str) -> Any:
+        if not isinstance(raw, dict):
+            self.fail(path, f"expected a table, got {type(raw).__name__} {raw!r}")
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+        valid = [_toml_name(n) for n in fields]
+        for key in raw:
+            if _py_name(key) not in fields:
+                close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+                hint = f"; did you mean '{close[0]}'{_unit(close[0])}?" if close else f"; valid keys: {', '.join(valid)}"
+                self.fail(f"{path}.{key}" if path else key, f"unknown key{hint}")
+        kwargs = {}
+        for name, f in fields.items():
+            key = _toml_name(name)
+            sub = f"{path}.{key}" if path else key
+            if key in raw:
+                kwargs[name] = self.value(hints[name], raw[key], sub)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                self.fail(sub, "missing; it has no default" + _unit(key))
+        return cls(**kwargs)
+
+    def value(self, tp: Any, raw: Any, key: str) -> Any:
+        origin = typing.get_origin(tp)
+        if origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            return self.value(args[0], raw, key)
+        if dataclasses.is_dataclass(tp):
+            return self.build(tp, raw, key)
+        if origin is tuple:
+            (item,) = {a for a in typing.get_args(tp) if a is not Ellipsis}
+            if not isinstance(raw, list):
+                self.fail(key, f"expected an array of tables, got {raw!r}")
+            return tuple(self.value(item, x, f"{key}.{i}") for i, x in enumerate(raw))
+        if origin is Literal:
+            if raw not in typing.get_args(tp):
+                self.fail(key, f"expected {_type_name(tp)}, got {raw!r}")
+            return raw
+        if tp is bool:
+            if not isinstance(raw, bool):
+                self.fail(key, f"expected true or false, got {raw!r}")
+            return raw
+        if tp is int:
+            if isinstance(raw, bool) or not isinstance(raw, int):
+                if isinstance(raw, float) and raw.is_integer():
+                    return int(raw)
+                self.fail(key, f"expected an integer{_unit(key.rsplit('.', 1)[-1])}, got {raw!r}")
+            return raw
+        if tp is float:
+            if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+                self.fail(key, f"expected a number{_unit(key.rsplit('.', 1)[-1])}, got {raw!r}")
+            if not math.isfinite(raw):
+                self.fail(key, f"expected a finite number, got {raw!r}")
+            return float(raw)
+        if tp is str:
+            if not isinstance(raw, str):
+                self.fail(key, f"expected a string, got {raw!r}")
+            return raw
+        raise AssertionError(f"unhandled schema type {tp!r} at {key}")
+
+
+# ----------------------------------------------------------------------------- overrides
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'regions.2.nodes=10' -> ('regions.2.nodes', 10). The value is read as a TOML value;
+    a bare word that is not valid TOML is taken as a string."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ScenarioError(f"--set {text!r}: expected dotted.key=value")
+    value = value.strip()
+    try:
+        parsed = tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value
+    return key, parsed
+
+
+def apply_override(raw: dict, key: str, value: Any, source: str = "--set") -> None:
+    parts = key.split(".")
+    node: Any = raw
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        here = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ScenarioError(f"{source}: key '{here}': expected an index below {len(node)}, got {part!r}")
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+            continue
+        if not isinstance(node, dict):
+            raise ScenarioError(f"{source}: key '{here}': '{'.'.join(parts[:i])}' is not a table")
+        if last:
+            node[part] = value
+        else:
+            node = node.setdefault(part, {})
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _check(s: Scenario) -> None:
+    src = s.source
+
+    def fail(key: str, message: str) -> typing.NoReturn:
+        raise ScenarioError(f"{src}: key '{key}': {message}")
+
+    def positive(value: float, key: str, allow_zero: bool = False) -> None:
+        if value < 0 or (value == 0 and not allow_zero):
+            fail(key, f"expected a {'non-negative' if allow_zero else 'positive'} value{_unit(key.rsplit('.', 1)[-1])}, got {value!r}")
+
+    positive(s.run.steps, "run.steps")
+    w = s.workload
+    positive(w.step_compute_s, "workload.step_compute_s")
+    positive(w.gradient_bytes, "workload.gradient_bytes", True)
+    positive(w.slots, "workload.slots", True)
+    positive(w.micro_batch, "workload.micro_batch")
+    positive(w.compute_jitter, "workload.compute_jitter", True)
+    c = s.checkpoint
+    positive(c.interval_steps, "checkpoint.interval_steps")
+    for k in ("weights_bytes", "optimizer_bytes"):
+        positive(getattr(c, k), f"checkpoint.{k}", True)
+    for k in ("write_gbyte_s", "read_gbyte_s", "snapshot_gbyte_s"):
+        positive(getattr(c, k), f"checkpoint.{k}")
+    positive(c.keep, "checkpoint.keep")
+    if not s.regions:
+        fail("regions", "expected at least one [[regions]] table")
+    seen: set[str] = set()
+    for i, r in enumerate(s.regions):
+        if not r.name or "/" in r.name:
+            fail(f"regions.{i}.name", f"expected a non-empty name without '/', got {r.name!r}")
+        if r.name in seen:
+            fail(f"regions.{i}.name", f"region {r.name!r} is defined twice")
+        seen.add(r.name)
+        positive(r.nodes, f"regions.{i}.nodes")
+        positive(r.gpus_per_node, f"regions.{i}.gpus_per_node")
+        positive(r.intra_gbit_s, f"regions.{i}.intra_gbit_s")
+        positive(r.intra_latency_ms, f"regions.{i}.intra_latency_ms", True)
+        positive(r.speed, f"regions.{i}.speed")
+    pairs: set[frozenset] = set()
+    for i, link in enumerate(s.links):
+        for end in ("a", "b"):
+            name = getattr(link, end)
+            if name not in seen:
+                fail(f"links.{i}.{end}", f"expected one of the regions ({', '.join(sorted(seen))}), got {name!r}")
+        if link.a == link.b:
+            fail(f"links.{i}.b", f"a link joins two different regions, got {link.a!r} twice")
+        pair = frozenset((link.a, link.b))
+        if pair in pairs:
+            fail(f"links.{i}", f"the link {link.a}-{link.b} is defined twice")
+        pairs.add(pair)
+        positive(link.rtt_ms, f"links.{i}.rtt_ms", True)
+        positive(link.gbit_s, f"links.{i}.gbit_s")
+        positive(link.jitter_ms, f"links.{i}.jitter_ms", True)
+    if len(s.regions) > 1:
+        import itertools
+        for a, b in itertools.combinations([r.name for r in s.regions], 2):
+            if not _connected(s, a, b):
+                fail("links", f"regions {a!r} and {b!r} are not connected by any path of links")
+    f = s.faults
+    positive(f.hardware_fault.mtbf_node_hours, "faults.hardware_fault.mtbf_node_hours", True)
+    positive(f.hardware_fault.repair_hours, "faults.hardware_fault.repair_hours")
+    positive(f.network_jitter.per_day, "faults.network_jitter.per_day", True)
+    positive(f.network_jitter.spike_ms, "faults.network_jitter.spike_ms", True)
+    positive(f.network_jitter.duration_s, "faults.network_jitter.duration_s")
+    positive(f.partial_cluster_loss.per_day, "faults.partial_cluster_loss.per_day", True)
+    positive(f.partial_cluster_loss.nodes, "faults.partial_cluster_loss.nodes")
+    positive(f.partial_cluster_loss.repair_hours, "faults.partial_cluster_loss.repair_hours")
+    positive(f.data_shard_skew.per_day, "faults.data_shard_skew.per_day", True)
+    nodes = set(s.node_names)
+    for i, e in enumerate(f.schedule):
+        key = f"faults.schedule.{i}"
+        positive(e.at_step, f"{key}.at_step", True)
+        if e.at_step >= s.run.steps:
+            fail(f"{key}.at_step", f"expected a step below run.steps ({s.run.steps}), got {e.at_step}")
+        if e.class_ not in FAULT_CLASSES:
+            close = difflib.get_close_matches(e.class_, FAULT_CLASSES, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            fail(f"{key}.class", f"expected one of {', '.join(FAULT_CLASSES)}, got {e.class_!r}{hint}")
+        t = e.target
+        if e.class_ == "hardware_fault" and t not in nodes:
+            fail(f"{key}.target", f"expected a node 'region/i' of this cluster (e.g. {s.node_names[0]!r}), got {t!r}")
+        if e.class_ == "partial_cluster_loss" and t not in seen:
+            fail(f"{key}.target", f"expected a region name ({', '.join(sorted(seen))}), got {t!r}")
+        if e.class_ == "network_jitter" and t not in seen and t not in nodes:
+            fail(f"{key}.target", f"expected a region name or a node 'region/i', got {t!r}")
+        if e.class_ == "data_shard_skew":
+            ok = t.startswith("shard/") and t[6:].isdigit() and int(t[6:]) < s.data.shards
+            if not ok:
+                fail(f"{key}.target", f"expected 'shard/N' with N below data.shards ({s.data.shards}), got {t!r}")
+        if e.nodes is not None:
+            positive(e.nodes, f"{key}.nodes")
+            if e.class_ == "partial_cluster_loss" and t in seen and e.nodes > s.region(t).nodes:
+                fail(f"{key}.nodes", f"region {t!r} has {s.region(t).nodes} nodes, cannot lose {e.nodes}")
+        if e.spike_ms is not None:
+            positive(e.spike_ms, f"{key}.spike_ms", True)
+        if e.duration_s is not None:
+            positive(e.duration_s, f"{key}.duration_s")
+    p = s.policy
+    positive(p.heartbeat_s, "policy.heartbeat_s")
+    positive(p.detect_timeout_s, "policy.detect_timeout_s")
+    if p.detect_timeout_s < p.heartbeat_s:
+        fail("policy.detect_timeout_s", f"expected at least policy.heartbeat_s ({p.heartbeat_s}), got {p.detect_timeout_s}")
+    positive(p.hot_spares, "policy.hot_spares", True)
+    if p.hot_spares >= s.total_nodes:
+        fail("policy.hot_spares", f"expected fewer than the cluster's {s.total_nodes} nodes, got {p.hot_spares}")
+    positive(p.restart_s, "policy.restart_s", True)
+    positive(p.replace_node_s, "policy.replace_node_s", True)
+    if p.straggler_factor <= 1.0:
+        fail("policy.straggler_factor", f"expected a factor above 1.0, got {p.straggler_factor}")
+    positive(p.straggler_window, "policy.straggler_window")
+    m = s.model
+    for k in ("d_model", "layers", "heads", "context"):
+        positive(getattr(m, k), f"model.{k}")
+    if m.d_model % m.heads:
+        fail("model.heads", f"expected a divisor of model.d_model ({m.d_model}), got {m.heads}")
+    positive(m.lr, "model.lr")
+    positive(m.weight_decay, "model.weight_decay", True)
+    positive(s.data.shards, "data.shards")
+    positive(s.validate.downtime_rel_tol, "validate.downtime_rel_tol")
+    positive(s.validate.wall_rel_tol, "validate.wall_rel_tol")
+    positive(s.validate.repetitions, "validate.repetitions")
+
+
+def _connected(s: Scenario, a: str, b: str) -> bool:
+    adj: dict[str, set[str]] = {}
+    for link in s.links:
+        adj.setdefault(link.a, set()).add(link.b)
+        adj.setdefault(link.b, set()).add(link.a)
+    seen, todo = {a}, [a]
+    while todo:
+        for n in adj.get(todo.pop(), ()):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return b in seen
+
+
+# ----------------------------------------------------------------------------- entry points
+
+def from_dict(raw: dict, source: str = "<scenario>", overrides: typing.Sequence[str] = ()) -> Scenario:
+    raw = json.loads(json.dumps(raw))  # deep copy; overrides must not touch the caller's dict
+    for text in overrides:
+        key, value = parse_override(text)
+        apply_override(raw, key, value, f"{source} (--set {key})")
+    scenario = _Loader(source).build(Scenario, raw, "")
+    scenario = dataclasses.replace(scenario, source=source)
+    _check(scenario)
+    return scenario
+
+
+def load(path: str | Path, overrides: typing.Sequence[str] = ()) -> Scenario:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ScenarioError(f"{path}: no such scenario file") from None
+    except OSError as e:
+        raise ScenarioError(f"{path}: cannot read the scenario file ({e.strerror})") from None
+    return loads(text, str(path), overrides)
+
+
+def loads(text: str, source: str = "<scenario>", overrides: typing.Sequence[str] = ()) -> Scenario:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"{source}: TOML syntax error: {e}") from None
+    return from_dict(raw, source, overrides)
+
+
+def dumps(scenario: Scenario) -> str:
+    """The resolved scenario as TOML (every key, defaults included)."""
+    return _toml_dump(scenario.to_dict())
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    raise AssertionError(v)
+
+
+def _toml_dump(d: dict, prefix: str = "") -> str:
+    lines: list[str] = []
+    scalars = {k: v for k, v in d.items() if not isinstance(v, (dict, list)) and v is not None}
+    if scalars and prefix:
+        lines.append(f"[{prefix}]")
+    for k, v in scalars.items():
+        lines.append(f"{k} = {_toml_value(v)}")
+    if scalars:
+        lines.append("")
+    for k, v in d.items():
+        name = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict):
+            lines.append(_toml_dump(v, name))
+        elif isinstance(v, list):
+            for item in v:
+                lines.append(f"[[{name}]]")
+                lines += [f"{ik} = {_toml_value(iv)}" for ik, iv in item.items() if iv is not None]
+                lines.append("")
+    return "\n".join(lines)
+
+
+def describe_schema(cls: type = Scenario, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, doc) for every key, for the README and `keel` help."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        key = f"{prefix}.{_toml_name(f.name)}" if prefix else _toml_name(f.name)
+        tp = hints[f.name]
+        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if dataclasses.is_dataclass(tp):
+            rows += describe_schema(tp, key)
+        elif inner:
+            rows += describe_schema(inner[0], key + "[]")
+        else:
+            default = "required" if f.default is dataclasses.MISSING else repr(f.default)
+            rows.append((key, default, f.metadata.get("doc", "")))
+    return rows
