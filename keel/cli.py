@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--address", default="127.0.0.1")
     sp.set_defaults(func=_handler("app.launch:cli"))
 
+    sp = sub.add_parser("scenario", help="print a scenario resolved (defaults and --set applied), or the schema")
+    scenario_args(sp, required=False)
+    sp.add_argument("--schema", action="store_true", help="list every key with its default")
+    sp.set_defaults(func=_handler("keel.scenario:cli_show"))
+
     sp = sub.add_parser("demo", help="the main job on the embedded default scenario")
     sp.add_argument("--out", default="runs/demo")
     sp.set_defaults(func=_handler("keel.demo:cli"))
@@ -129,6 +134,11 @@ def print_json(obj: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "scenario", None) is not None:
+            # Every command that takes a scenario gets it checked here first, so bad input
+            # fails in one place, with one message, before any heavy import.
+            from keel import scenario
+            args.loaded = scenario.load(args.scenario, args.overrides)
         code = args.func(args)
     except InputError as e:
         print(f"keel: {e}", file=sys.stderr)
@@ -136,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunFailed as e:
         print(f"keel: run failed: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # stdout closed early (`keel ... | head`): not an error
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("keel: interrupted", file=sys.stderr)
         return 130

@@ -374,22 +374,23 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, parsed
 
 
-def apply_override(raw: dict, key: str, value: Any, source: str = "--set") -> None:
+def apply_override(raw: dict, key: str, value: Any, source: str = "<scenario>") -> None:
     parts = key.split(".")
+    origin = f"(from --set {key})"
     node: Any = raw
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
         here = ".".join(parts[: i + 1])
         if isinstance(node, list):
             if not part.isdigit() or int(part) >= len(node):
-                raise ScenarioError(f"{source}: key '{here}': expected an index below {len(node)}, got {part!r}")
+                raise ScenarioError(f"{source}: key '{here}' {origin}: expected an index below {len(node)}, got {part!r}")
             if last:
                 node[int(part)] = value
             else:
                 node = node[int(part)]
             continue
         if not isinstance(node, dict):
-            raise ScenarioError(f"{source}: key '{here}': '{'.'.join(parts[:i])}' is not a table")
+            raise ScenarioError(f"{source}: key '{here}' {origin}: '{'.'.join(parts[:i])}' is not a table")
         if last:
             node[part] = value
         else:
@@ -541,7 +542,7 @@ def from_dict(raw: dict, source: str = "<scenario>", overrides: typing.Sequence[
     raw = json.loads(json.dumps(raw))  # deep copy; overrides must not touch the caller's dict
     for text in overrides:
         key, value = parse_override(text)
-        apply_override(raw, key, value, f"{source} (--set {key})")
+        apply_override(raw, key, value, source)
     scenario = _Loader(source).build(Scenario, raw, "")
     scenario = dataclasses.replace(scenario, source=source)
     _check(scenario)
@@ -621,3 +622,16 @@ def describe_schema(cls: type = Scenario, prefix: str = "") -> list[tuple[str, s
             default = "required" if f.default is dataclasses.MISSING else repr(f.default)
             rows.append((key, default, f.metadata.get("doc", "")))
     return rows
+
+
+def cli_show(args: Any) -> int:
+    """`keel scenario [FILE] [--set k=v] [--schema]`: the resolved scenario as TOML, or the schema."""
+    if args.schema:
+        rows = describe_schema()
+        width = max(len(k) for k, _, _ in rows)
+        for key, default, doc in rows:
+            print(f"{key:<{width}}  {default:<14}  {doc}")
+        return 0
+    print(f"# {args.loaded.source}, resolved; config hash {args.loaded.config_hash()}")
+    print(dumps(args.loaded))
+    return 0

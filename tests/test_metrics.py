@@ -1,0 +1,74 @@
+"""The metric functions every log goes through, on hand-made logs with known answers."""
+import pytest
+
+from keel.events import Event, EventLogError, read_events, validate_event, write_events
+from keel.metrics import fault_free_step_time, summarize
+
+
+def E(t, step, kind, fault=None, target=None, action=None, **detail):
+    return Event(t, step, kind, fault, target, action, detail)
+
+
+def absorbed_log():
+    # 1 s a step; a node dies 0.5 s into step 4, detected at 1.5 s, resumed, step 4 redone.
+    ev = [E(0.0, 0, "run_start", step_time_s=1.0)]
+    ev += [E(float(k), k, "step") for k in range(1, 4)]
+    ev += [E(3.5, 3, "fault", "hardware_fault", "a/1", fault_id=0),
+           E(5.0, 3, "detect", "hardware_fault", "a/1", fault_id=0),
+           E(5.0, 3, "recover_start", "hardware_fault", "a/1", "replicate_resume", fault_id=0),
+           E(5.25, 3, "recover_end", "hardware_fault", "a/1", "replicate_resume", fault_id=0)]
+    ev += [E(5.25 + k - 3, k, "step") for k in range(4, 11)]
+    ev += [E(12.25, 10, "run_end")]
+    return ev
+
+
+def test_absorbed_fault_downtime_cost_goodput():
+    s = summarize(absorbed_log())
+    assert s["restarts"] == 0 and s["steps"] == 10 and s["wall_s"] == 12.25
+    (f,) = s["faults"]
+    assert f["action"] == "replicate_resume" and f["class"] == "hardware_fault"
+    assert f["downtime_s"] == pytest.approx(6.25 - 3.5)
+    # episode from the commit of step 3 (t=3) to the commit of step 4 (t=6.25): 3.25 s for 1 step
+    assert f["cost_s"] == pytest.approx(2.25)
+    assert f["lost_steps"] == 0
+    assert s["goodput"] == pytest.approx(10 / 12.25)
+
+
+def test_restart_counts_lost_steps_as_cost():
+    ev = [E(0.0, 0, "run_start", step_time_s=1.0)]
+    ev += [E(float(k), k, "step") for k in range(1, 6)]
+    ev += [E(2.0, 2, "checkpoint_start"), E(2.0, 2, "checkpoint_end")]
+    ev.sort(key=lambda e: (e.t, e.kind != "step"))
+    ev += [E(5.5, 5, "fault", "hardware_fault", "a/0", fault_id=0),
+           E(6.0, 5, "restart", "hardware_fault", "a/0", "checkpoint_restart", fault_id=0),
+           E(16.0, 2, "recover_end", "hardware_fault", "a/0", "checkpoint_restart", fault_id=0)]
+    ev += [E(16.0 + k - 2, k, "step") for k in range(3, 9)]
+    ev += [E(22.0, 8, "run_end")]
+    s = summarize(ev)
+    (f,) = s["faults"]
+    assert s["restarts"] == 1 and f["action"] == "checkpoint_restart"
+    assert f["lost_steps"] == 3             # steps 3, 4, 5 recomputed
+    assert f["downtime_s"] == pytest.approx(17.0 - 5.5)
+    # from the commit of step 5 (t=5) to the commit of step 3 (t=17): 12 s, net -2 steps
+    assert f["cost_s"] == pytest.approx(12.0 + 2.0)
+    assert s["goodput"] == pytest.approx(8 / 22)
+
+
+def test_step_time_estimated_from_clean_intervals():
+    ev = [E(0.0, 0, "run_start")] + [E(2.0 * k, k, "step") for k in range(1, 6)]
+    ev.insert(3, E(4.1, 2, "checkpoint_start"))
+    ev += [E(10.0, 5, "run_end")]
+    assert fault_free_step_time(ev) == pytest.approx(2.0)
+
+
+def test_event_log_round_trip_and_schema_errors(tmp_path):
+    path = tmp_path / "events.jsonl"
+    write_events(path, absorbed_log())
+    assert read_events(path) == absorbed_log()
+    with pytest.raises(EventLogError, match="key 'kind': expected one of"):
+        validate_event({"t": 0, "step": 0, "kind": "explode"})
+    with pytest.raises(EventLogError, match="key 'fault'"):
+        validate_event({"t": 0, "step": 0, "kind": "fault", "fault": "meteor"})
+    path.write_text('{"t": 0, "step": 0, "kind": "run_start"}\nnot json\n')
+    with pytest.raises(EventLogError, match=r"events.jsonl:2: not valid JSON"):
+        read_events(path)

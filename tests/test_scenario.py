@@ -1,0 +1,121 @@
+"""The scenario language: loading, overrides, hashing and every class of error."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from keel import scenario as S
+from keel.cli import main
+from conftest import SCENARIOS, keel_cmd
+
+MINIMAL = """
+[[regions]]
+name = "a"
+nodes = 2
+[[regions]]
+name = "b"
+nodes = 3
+[[links]]
+a = "a"
+b = "b"
+"""
+
+
+def test_example_scenarios_load():
+    big = S.load(SCENARIOS / "multiregion-46.toml")
+    assert big.total_nodes == 46 and len(big.regions) == 4
+    assert [r.nodes for r in big.regions] == [14, 12, 12, 8]
+    assert all(r.gpus_per_node == 8 for r in big.regions)
+    assert big.checkpoint.weights_bytes == 1_200_000_000_000
+    assert big.checkpoint.optimizer_bytes == 480_000_000_000
+    hw = [e for e in big.faults.schedule if e.class_ == "hardware_fault"]
+    assert len(hw) == 1 and hw[0].at_step < 20
+    local = S.load(SCENARIOS / "local-8.toml")
+    assert local.total_nodes == 8 and local.policy.hot_spares == 1
+    assert {e.class_ for e in local.faults.schedule} == set(S.FAULT_CLASSES)
+
+
+def test_defaults_fill_everything_but_regions():
+    s = S.loads(MINIMAL)
+    assert s.run.steps == 1000 and s.policy.kind == "absorb"
+    assert s.slot_count == 5 and s.node_names == ["a/0", "a/1", "b/0", "b/1", "b/2"]
+
+
+def test_override_reaches_into_arrays_and_wins_over_file():
+    s = S.loads(MINIMAL, overrides=["regions.1.nodes=10", "policy.kind=checkpoint_restart",
+                                    "run.name=what-if", "links.0.rtt_ms=3"])
+    assert s.regions[1].nodes == 10 and s.policy.kind == "checkpoint_restart"
+    assert s.run.name == "what-if" and s.links[0].rtt_ms == 3.0
+
+
+def test_config_hash_is_canonical_and_sensitive():
+    a, b = S.loads(MINIMAL), S.loads(MINIMAL.replace('name = "a"\nnodes = 2', 'nodes = 2\nname = "a"'))
+    assert a.config_hash() == b.config_hash()
+    assert len(a.config_hash()) == 64 and int(a.config_hash(), 16) >= 0
+    c = S.loads(MINIMAL, overrides=["regions.0.nodes=3"])
+    assert c.config_hash() != a.config_hash()
+    assert S.diff_configs(a.to_dict(), c.to_dict()) == ["regions.0.nodes: 2 -> 3"]
+
+
+def test_dump_round_trips():
+    s = S.load(SCENARIOS / "local-8.toml")
+    again = S.loads(S.dumps(s))
+    assert again.config_hash() == s.config_hash()
+
+
+@pytest.mark.parametrize("text, overrides, expected", [
+    ("[run\nname=1", [], "TOML syntax error"),
+    (MINIMAL + "[run]\nstepz = 3\n", [], "key 'run.stepz': unknown key; did you mean 'steps'?"),
+    (MINIMAL + "[polcy]\n", [], "key 'polcy': unknown key; did you mean 'policy'?"),
+    (MINIMAL, ["links.0.rtt_s=4"], "key 'links.0.rtt_s': unknown key; did you mean 'rtt_ms' (milliseconds)?"),
+    (MINIMAL, ["run.steps=many"], "key 'run.steps': expected an integer, got 'many'"),
+    (MINIMAL, ["workload.step_compute_s='1s'"], "key 'workload.step_compute_s': expected a number (seconds), got '1s'"),
+    (MINIMAL, ["run.steps=0"], "key 'run.steps': expected a positive value"),
+    (MINIMAL, ["regions.0.nodes=-1"], "key 'regions.0.nodes': expected a positive value"),
+    (MINIMAL, ["links.0.b=mars"], "key 'links.0.b': expected one of the regions (a, b), got 'mars'"),
+    (MINIMAL, ["regions.7.nodes=1"], "key 'regions.7' (from --set regions.7.nodes): expected an index below 2"),
+    (MINIMAL, ["checkpoint.mode=lazy"], "key 'checkpoint.mode': expected one of 'async', 'sync'"),
+    (MINIMAL, ["policy.hot_spares=5"], "key 'policy.hot_spares': expected fewer than the cluster's 5 nodes"),
+    (MINIMAL, ["policy.straggler_factor=0.5"], "key 'policy.straggler_factor': expected a factor above 1.0"),
+    (MINIMAL.replace('[[links]]\na = "a"\nb = "b"\n', ""), [], "regions 'a' and 'b' are not connected"),
+    (MINIMAL + '[[faults.schedule]]\nat_step = 1\nclass = "hardware_fault"\ntarget = "a/9"\n', [],
+     "key 'faults.schedule.0.target': expected a node 'region/i'"),
+    (MINIMAL + '[[faults.schedule]]\nat_step = 1\nclass = "hardware_fualt"\ntarget = "a/0"\n', [],
+     "did you mean 'hardware_fault'?"),
+    (MINIMAL + '[[faults.schedule]]\nat_step = 1\nclass = "partial_cluster_loss"\ntarget = "c"\n', [],
+     "key 'faults.schedule.0.target': expected a region name"),
+    (MINIMAL + '[[faults.schedule]]\nat_step = 1\nclass = "data_shard_skew"\ntarget = "shard/99"\n', [],
+     "expected 'shard/N' with N below data.shards (16)"),
+    (MINIMAL + '[[faults.schedule]]\nat_step = 1\nclass = "partial_cluster_loss"\ntarget = "a"\nnodes = 3\n', [],
+     "region 'a' has 2 nodes, cannot lose 3"),
+    ("[run]\nsteps = 3\n", [], "key 'regions': missing"),
+])
+def test_errors_name_file_and_key(text, overrides, expected):
+    with pytest.raises(S.ScenarioError) as err:
+        S.loads(text, "my.toml", overrides)
+    message = str(err.value)
+    assert message.startswith("my.toml: ")
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_cli_bad_input_exits_2_with_one_line(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(MINIMAL + "[run]\nseed = 'x'\n")
+    proc = subprocess.run(keel_cmd("simulate", str(bad)), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"keel: {bad}: key 'run.seed': expected an integer, got 'x'"
+    assert "Traceback" not in proc.stderr
+    missing = subprocess.run(keel_cmd("simulate", str(tmp_path / "nope.toml")), capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no such scenario file" in missing.stderr
+    bad_set = subprocess.run(keel_cmd("simulate", str(SCENARIOS / "local-8.toml"), "--set", "regions"),
+                             capture_output=True, text=True, timeout=60)
+    assert bad_set.returncode == 2 and "expected dotted.key=value" in bad_set.stderr
+
+
+def test_keel_imports_nothing_heavy():
+    code = ("import sys, keel.cli, keel.scenario, keel.events, keel.metrics; "
+            "print(sorted(m for m in ('torch','simpy','streamlit','networkx') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]"
