@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--out", default=None, help="dataset directory")
     dp.add_argument("--shards", type=int, default=16)
     dp.add_argument("--json", action="store_true")
-    dp.set_defaults(func=_handler("runtime.cli:data_prepare"))
+    dp.set_defaults(func=_handler("runtime.cli_data:data_prepare"))
 
     sp = sub.add_parser("calibrate", help="measure the runtime's primitives for the twin")
     sp.add_argument("--out", default="calibration.json")
