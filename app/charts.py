@@ -1,0 +1,212 @@
+"""Chart builders: pure functions from loaded data to Altair charts, shared by the dashboard
+and `keel report`, unit-tested through `.to_dict()`. No Streamlit here."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import altair as alt
+
+from app import data
+from keel.events import Event
+from keel.scenario import FAULT_CLASSES, Scenario
+
+FAULT_COLOURS = {"hardware_fault": "#d62728", "network_jitter": "#ff7f0e",
+                 "partial_cluster_loss": "#9467bd", "data_shard_skew": "#8c564b"}
+STATE_COLOURS = {"training": "#c7e9c0", "stalled": "#fdae6b", "restarting": "#e6550d",
+                 "checkpoint": "#9ecae1", **FAULT_COLOURS}
+MARK_SHAPES = {"fault": "cross", "detect": "triangle-down", "recover_start": "diamond",
+               "recover_end": "circle", "reslot": "triangle-right", "quarantine": "square",
+               "restart": "triangle-up"}
+WIDTH = 640
+
+
+def _scale(mapping: dict[str, str]) -> alt.Scale:
+    return alt.Scale(domain=list(mapping), range=list(mapping.values()))
+
+
+# ----------------------------------------------------------------------------- topology
+
+def topology_chart(scenario: Scenario) -> alt.LayerChart:
+    """The cluster as a graph: regions on a circle, each region's nodes around it (hot
+    spares hollow), links between regions labelled with RTT and bandwidth."""
+    f = data.topology_frames(scenario)
+    axis = alt.Axis(title=None, labels=False, ticks=False, grid=False, domain=False)
+    x = alt.X("x:Q", axis=axis, scale=alt.Scale(domain=[-1.45, 1.45]))
+    y = alt.Y("y:Q", axis=axis, scale=alt.Scale(domain=[-1.4, 1.45]))
+    links = alt.Chart(alt.Data(values=f["links"])).mark_rule(color="#888", strokeWidth=2).encode(
+        x=x, y=y, x2="x2:Q", y2="y2:Q",
+        tooltip=["a:N", "b:N", alt.Tooltip("rtt_ms:Q", title="RTT (ms)"),
+                 alt.Tooltip("gbit_s:Q", title="Gbit/s"), alt.Tooltip("jitter_ms:Q", title="jitter (ms)")])
+    link_labels = alt.Chart(alt.Data(values=f["links"])).mark_text(fontSize=10, color="#444", dy=-6).encode(
+        x=alt.X("mx:Q", axis=axis), y=alt.Y("my:Q", axis=axis), text="label:N")
+    nodes = alt.Chart(alt.Data(values=f["nodes"])).mark_point(size=70, filled=True).encode(
+        x=x, y=y,
+        color=alt.Color("region:N", legend=alt.Legend(title="region", orient="right")),
+        shape=alt.Shape("role:N", scale=alt.Scale(domain=["training", "hot spare"], range=["circle", "diamond"]),
+                        legend=alt.Legend(title="node")),
+        tooltip=["node:N", "region:N", "role:N"])
+    region_labels = alt.Chart(alt.Data(values=f["regions"])).mark_text(fontSize=12, fontWeight="bold", dy=-48).encode(
+        x=x, y=y, text="label:N",
+        tooltip=["region:N", "nodes:Q", "gpus:Q", alt.Tooltip("intra_gbit_s:Q", title="intra Gbit/s")])
+    return alt.layer(links, link_labels, nodes, region_labels).properties(
+        width=WIDTH, height=460, title=f"{scenario.run.name}: {scenario.total_nodes} nodes in {len(scenario.regions)} regions")
+
+
+# ----------------------------------------------------------------------------- timelines
+
+def timeline_chart(events: Sequence[Event], summary: dict[str, Any] | None = None,
+                   title: str = "timeline", x_domain: Sequence[float] | None = None) -> alt.LayerChart:
+    """A Gantt of the run: the run lane (training, stalled after a fault, restarting),
+    checkpoints, and one lane per fault target with its episode as a bar; faults, detection,
+    recovery, re-slotting and restarts marked."""
+    tl = data.timeline(events, summary)
+    lanes = tl["lanes"] + ([data.CHECKPOINT_LANE] if any(b["lane"] == data.CHECKPOINT_LANE for b in tl["bars"])
+                           and data.CHECKPOINT_LANE not in tl["lanes"] else [])
+    xscale = alt.Scale(domain=list(x_domain)) if x_domain else alt.Undefined
+    y = alt.Y("lane:N", sort=lanes, title=None, scale=alt.Scale(domain=lanes))
+    bars = alt.Chart(alt.Data(values=tl["bars"])).mark_bar(height={"band": 0.7}, cornerRadius=2).encode(
+        x=alt.X("start:Q", title="time since run start (s)", scale=xscale), x2="end:Q", y=y,
+        color=alt.Color("state:N", scale=_scale(STATE_COLOURS), legend=alt.Legend(title="state")),
+        tooltip=["label:N", alt.Tooltip("start:Q", format=".3f"), alt.Tooltip("end:Q", format=".3f")])
+    marks = alt.Chart(alt.Data(values=tl["marks"] or [{"lane": data.RUN_LANE, "t": 0.0, "kind": "fault"}]),
+                      ).mark_point(size=80, filled=True, color="black", opacity=1 if tl["marks"] else 0).encode(
+        x=alt.X("t:Q", scale=xscale), y=y,
+        shape=alt.Shape("kind:N", scale=_scale(MARK_SHAPES), legend=alt.Legend(title="event")),
+        tooltip=["kind:N", alt.Tooltip("t:Q", format=".3f"), "step:Q", "fault_id:Q", "class:N", "target:N", "action:N"])
+    return alt.layer(bars, marks).properties(width=WIDTH, height=max(60, 28 * len(lanes)), title=title)
+
+
+def aligned_timelines(runs: dict[str, tuple[Sequence[Event], dict[str, Any]]]) -> alt.VConcatChart:
+    """Timelines one above the other on one time axis (twin above the runtime's
+    repetitions), for seeing predicted and observed recovery line up."""
+    ends = [max((e.t for e in ev), default=0.0) for ev, _ in runs.values()]
+    domain = [0.0, max(ends, default=1.0) or 1.0]
+    charts = [timeline_chart(ev, s, title=label, x_domain=domain) for label, (ev, s) in runs.items()]
+    return alt.vconcat(*charts).resolve_scale(x="shared", color="shared", shape="shared")
+
+
+def progress_chart(runs: dict[str, Sequence[Event]]) -> alt.Chart:
+    """Steps committed against time, one line per run: flat stretches are downtime."""
+    rows = [dict(p, run=label) for label, ev in runs.items() for p in data.progress(ev)]
+    return alt.Chart(alt.Data(values=rows)).mark_line(interpolate="step-after").encode(
+        x=alt.X("t:Q", title="time since run start (s)"), y=alt.Y("step:Q", title="steps committed"),
+        color=alt.Color("run:N", title=None), tooltip=["run:N", "t:Q", "step:Q"],
+    ).properties(width=WIDTH, height=220, title="progress")
+
+
+# ----------------------------------------------------------------------------- per run
+
+def downtime_chart(summaries: dict[str, dict[str, Any]]) -> alt.Chart:
+    """Downtime per fault, one bar group per fault, one bar per run (policies side by side)."""
+    rows = [{"run": label, "fault": f"{f['fault_id']}: {f['class']}", "class": f["class"],
+             "downtime_s": f["downtime_s"], "cost_s": f.get("cost_s"), "target": f.get("target"),
+             "action": f.get("action")}
+            for label, s in summaries.items() for f in s.get("faults", [])]
+    return alt.Chart(alt.Data(values=rows)).mark_bar().encode(
+        x=alt.X("fault:N", title="fault", sort=None), xOffset="run:N",
+        y=alt.Y("downtime_s:Q", title="downtime (s)"),
+        color=alt.Color("run:N", title=None),
+        tooltip=["run:N", "fault:N", "target:N", "action:N", alt.Tooltip("downtime_s:Q", format=".3f"),
+                 alt.Tooltip("cost_s:Q", format=".3f")],
+    ).properties(width=WIDTH, height=240, title="downtime per fault")
+
+
+def goodput_chart(summaries: dict[str, dict[str, Any]]) -> alt.LayerChart:
+    """Goodput per run (policies side by side), with the 95% interval when replicated."""
+    rows = []
+    for label, s in summaries.items():
+        ci = s.get("goodput_ci95") or [s.get("goodput"), s.get("goodput")]
+        rows.append({"run": label, "goodput": s.get("goodput"), "lo": ci[0], "hi": ci[1],
+                     "restarts": s.get("restarts")})
+    base = alt.Chart(alt.Data(values=rows))
+    bars = base.mark_bar().encode(
+        y=alt.Y("run:N", title=None, sort=None), x=alt.X("goodput:Q", scale=alt.Scale(domain=[0, 1]), title="goodput"),
+        color=alt.Color("run:N", legend=None), tooltip=["run:N", alt.Tooltip("goodput:Q", format=".4f"), "restarts:Q"])
+    err = base.mark_errorbar(color="black").encode(y=alt.Y("run:N", sort=None), x="lo:Q", x2="hi:Q")
+    text = base.mark_text(align="left", dx=4).encode(y=alt.Y("run:N", sort=None), x="goodput:Q",
+                                                     text=alt.Text("goodput:Q", format=".3f"))
+    return alt.layer(bars, err, text).properties(width=WIDTH, height=40 + 30 * len(rows), title="goodput")
+
+
+# ----------------------------------------------------------------------------- plan
+
+def pareto_chart(plan: dict[str, Any]) -> alt.LayerChart:
+    """Every trial as goodput against cost, the Pareto front as a line, the recommended
+    policy and the baseline marked."""
+    rows = data.plan_rows(plan)
+    front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["cost_node_hours_per_step"] or 0.0)
+    special = []
+    for tag in ("recommended", "baseline"):
+        entry = plan.get(tag)
+        if isinstance(entry, dict) and entry.get("goodput") is not None:
+            special.append({"which": tag, "goodput": entry["goodput"],
+                            "cost_node_hours_per_step": entry.get("cost_node_hours_per_step"),
+                            "policy": data.policy_text(data.policy_of(entry))})
+    x = alt.X("cost_node_hours_per_step:Q", title="cost (node-hours per step)", scale=alt.Scale(zero=False))
+    y = alt.Y("goodput:Q", title="goodput", scale=alt.Scale(zero=False))
+    trials = alt.Chart(alt.Data(values=rows)).mark_circle(size=50, opacity=0.6).encode(
+        x=x, y=y, color=alt.Color("pareto:N", scale=alt.Scale(domain=[True, False], range=["#1f77b4", "#bbbbbb"]),
+                                  legend=alt.Legend(title="on the Pareto front")),
+        tooltip=["rank:Q", "number:Q", alt.Tooltip("goodput:Q", format=".4f"),
+                 alt.Tooltip("cost_node_hours_per_step:Q", format=".4g"), "policy:N"])
+    line = alt.Chart(alt.Data(values=front or [{"goodput": 0, "cost_node_hours_per_step": 0}])).mark_line(
+        color="#1f77b4", opacity=1 if front else 0).encode(x=x, y=y)
+    marks = alt.Chart(alt.Data(values=special or [{"which": "recommended", "goodput": 0, "cost_node_hours_per_step": 0}]),
+                      ).mark_point(size=220, strokeWidth=3, filled=False, opacity=1 if special else 0).encode(
+        x=x, y=y, shape=alt.Shape("which:N", scale=alt.Scale(domain=["recommended", "baseline"], range=["diamond", "square"]),
+                                  legend=alt.Legend(title=None)),
+        color=alt.value("#d62728"), tooltip=["which:N", "goodput:Q", "cost_node_hours_per_step:Q", "policy:N"])
+    return alt.layer(line, trials, marks).resolve_scale(color="independent").properties(
+        width=WIDTH, height=360, title="recovery policies: goodput against cost")
+
+
+# ----------------------------------------------------------------------------- compare
+
+def parity_chart(comparison: dict[str, Any]) -> alt.LayerChart:
+    """Observed against predicted downtime per fault: each runtime repetition a point, the
+    twin's 95% interval a horizontal error bar, the y = x line and the declared tolerance
+    band (y within x times 1 +- downtime_rel_tol)."""
+    rows = data.parity_rows(comparison)
+    tol = float(comparison.get("tolerances", {}).get("downtime_rel_tol") or 0.0)
+    values = [r["observed_s"] for r in rows] + [r["predicted_lo"] for r in rows] + [r["predicted_hi"] for r in rows]
+    top = max(values + [1e-3]) * 1.15
+    low = min(values) * 0.85 if values and min(values) > 0.3 * max(values) else 0.0  # zoom onto the points
+    line = [{"x": x, "y": x, "lo": x * (1 - tol), "hi": x * (1 + tol)} for x in (low, top)]
+    scale = alt.Scale(domain=[low, top], nice=False, clamp=True)
+    x = alt.X("predicted_s:Q", title="predicted downtime (s)", scale=scale)
+    y = alt.Y("observed_s:Q", title="observed downtime (s)", scale=scale)
+    band = alt.Chart(alt.Data(values=line)).mark_area(opacity=0.18, color="#2ca02c").encode(
+        x=alt.X("x:Q", scale=scale), y=alt.Y("lo:Q", scale=scale), y2="hi:Q",
+        tooltip=[alt.Tooltip("x:Q", title=f"tolerance +-{tol:.0%}")])
+    identity = alt.Chart(alt.Data(values=line)).mark_line(color="#2ca02c", strokeDash=[5, 3]).encode(
+        x=alt.X("x:Q", scale=scale), y=alt.Y("y:Q", scale=scale))
+    base = alt.Chart(alt.Data(values=rows))
+    err = base.mark_rule(strokeWidth=2, opacity=0.7).encode(
+        x=alt.X("predicted_lo:Q", scale=scale), x2="predicted_hi:Q", y=y,
+        color=alt.Color("class:N", scale=_scale(FAULT_COLOURS)))
+    points = base.mark_point(size=70, filled=True).encode(
+        x=x, y=y, color=alt.Color("class:N", scale=_scale(FAULT_COLOURS), title="fault class"),
+        tooltip=["fault_id:Q", "class:N", "target:N", "rep:Q", alt.Tooltip("predicted_s:Q", format=".3f"),
+                 alt.Tooltip("predicted_lo:Q", format=".3f"), alt.Tooltip("predicted_hi:Q", format=".3f"),
+                 alt.Tooltip("observed_s:Q", format=".3f")])
+    return alt.layer(band, identity, err, points).properties(
+        width=420, height=420, title=f"observed vs predicted downtime (band: +-{tol:.0%})")
+
+
+def residual_chart(comparison: dict[str, Any]) -> alt.LayerChart:
+    """Relative residual (observed - predicted) / predicted of every repetition, by fault
+    class, with zero and the tolerance band."""
+    rows = [r for r in data.parity_rows(comparison) if r["rel_residual"] is not None]
+    tol = float(comparison.get("tolerances", {}).get("downtime_rel_tol") or 0.0)
+    classes = [c for c in FAULT_CLASSES if any(r["class"] == c for r in rows)] or list(FAULT_CLASSES)
+    xcls = alt.X("class:N", title="fault class", sort=classes, scale=alt.Scale(domain=classes))
+    band = alt.Chart(alt.Data(values=[{"lo": -tol, "hi": tol}])).mark_rect(opacity=0.15, color="#2ca02c").encode(
+        y=alt.Y("lo:Q"), y2="hi:Q")
+    zero = alt.Chart(alt.Data(values=[{"zero": 0.0}])).mark_rule(color="#2ca02c", strokeDash=[5, 3]).encode(y="zero:Q")
+    points = alt.Chart(alt.Data(values=rows)).mark_circle(size=70, opacity=0.8).encode(
+        x=xcls, xOffset=alt.XOffset("rep:N"),
+        y=alt.Y("rel_residual:Q", title="(observed - predicted) / predicted", axis=alt.Axis(format="%")),
+        color=alt.Color("class:N", scale=_scale(FAULT_COLOURS), legend=None),
+        tooltip=["fault_id:Q", "target:N", "rep:Q", alt.Tooltip("rel_residual:Q", format=".1%"),
+                 alt.Tooltip("residual_s:Q", format=".3f")])
+    return alt.layer(band, zero, points).properties(width=420, height=320, title="residuals by fault class")

@@ -1,0 +1,439 @@
+"""Loaders and table shaping for the dashboard and the report: plain functions over the files
+the twin, the runtime and the planner write (layouts in docs/design.md), plus thin
+`st.cache_data` wrappers. Nothing here computes a metric: those come from `summary.json`,
+`comparison.json` or `keel.metrics`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from keel import metrics
+from keel.errors import InputError
+from keel.events import Event, read_events
+from keel.scenario import Scenario
+
+RUN_KINDS = ("validation", "run", "plan")
+# Lanes that are not a node, a region or a shard; they sort first on a timeline.
+RUN_LANE = "run"
+CHECKPOINT_LANE = "checkpoints"
+
+
+# ----------------------------------------------------------------------------- where runs live
+
+def runs_root() -> Path:
+    """The runs directory: `KEEL_RUNS`, else `./runs`."""
+    return Path(os.environ.get("KEEL_RUNS") or "runs")
+
+
+def dir_kind(path: str | Path) -> str | None:
+    """'validation' (comparison.json), 'run' (events.jsonl + summary.json), 'plan'
+    (plan.json), or None for anything else."""
+    p = Path(path)
+    if (p / "comparison.json").is_file():
+        return "validation"
+    if (p / "events.jsonl").is_file() and (p / "summary.json").is_file():
+        return "run"
+    if (p / "plan.json").is_file():
+        return "plan"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class RunDir:
+    path: Path
+    kind: str
+    label: str
+    mtime: float
+
+
+def list_runs(root: str | Path, kinds: Sequence[str] = RUN_KINDS, depth: int = 3) -> list[RunDir]:
+    """Run, validation and plan directories under `root`, newest first. A validation's own
+    `twin/` and `runtime/rep-K/` are listed as runs too (they are)."""
+    root = Path(root)
+    found: list[RunDir] = []
+    if not root.is_dir():
+        return found
+
+    def walk(p: Path, level: int) -> None:
+        kind = dir_kind(p)
+        if kind in kinds:
+            marker = {"validation": "comparison.json", "run": "summary.json", "plan": "plan.json"}[kind]
+            label = str(p.relative_to(root)) if p != root else p.name
+            found.append(RunDir(p, kind, label, (p / marker).stat().st_mtime))
+        if level >= depth:
+            return
+        try:
+            children = sorted(c for c in p.iterdir() if c.is_dir() and c.name != "checkpoints")
+        except OSError:
+            return
+        for c in children:
+            walk(c, level + 1)
+
+    walk(root, 0)
+    found.sort(key=lambda r: (-r.mtime, r.label))
+    return found
+
+
+def mtime(path: str | Path) -> float:
+    """Cache key part: a file's modification time (0 when missing), so edits invalidate."""
+    try:
+        return Path(path).stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+# ----------------------------------------------------------------------------- files
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def load_run(path: str | Path) -> tuple[list[Event], dict[str, Any]]:
+    """events.jsonl and summary.json of a `keel simulate` / `keel run` directory."""
+    path = Path(path)
+    if not (path / "events.jsonl").is_file():
+        raise InputError(f"{path}: expected a run directory with events.jsonl and summary.json")
+    events = read_events(path / "events.jsonl")
+    summary_path = path / "summary.json"
+    summary = read_json(summary_path) if summary_path.is_file() else metrics.summarize(events)
+    return events, summary
+
+
+def load_comparison(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    comparison = read_json(path / "comparison.json")
+    for key in ("faults", "tolerances"):
+        if key not in comparison:
+            raise InputError(f"{path / 'comparison.json'}: missing key '{key}'")
+    return comparison
+
+
+def validation_runs(path: str | Path) -> dict[str, Path]:
+    """The twin's and each runtime repetition's run directories of a validation:
+    {'twin': DIR/twin, 'rep-0': DIR/runtime/rep-0, ...} (those present)."""
+    path = Path(path)
+    out: dict[str, Path] = {}
+    if dir_kind(path / "twin") == "run":
+        out["twin"] = path / "twin"
+    reps = sorted((p for p in (path / "runtime").glob("rep-*") if dir_kind(p) == "run"),
+                  key=lambda p: int(p.name[4:]) if p.name[4:].isdigit() else 1 << 30)
+    for p in reps:
+        out[p.name] = p
+    return out
+
+
+def load_plan(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    file = path / "plan.json" if path.is_dir() else path
+    plan = read_json(file)
+    if not isinstance(plan, dict) or "trials" not in plan:
+        raise InputError(f"{file}: expected a plan.json with 'trials', 'pareto', 'recommended' and 'baseline'")
+    return plan
+
+
+def list_checkpoints(run: str | Path) -> list[Path]:
+    """`DIR/checkpoints/step-NNNNNNNN/` folders (complete or not: the reader judges), oldest
+    first. `run` may also be the checkpoints folder itself."""
+    run = Path(run)
+    folder = run if run.name == "checkpoints" else run / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-"))
+
+
+def checkpoint_runs(root: str | Path) -> list[RunDir]:
+    """Run directories under `root` that hold a `checkpoints/` folder."""
+    return [r for r in list_runs(root, kinds=("run",)) if (r.path / "checkpoints").is_dir()]
+
+
+# ----------------------------------------------------------------------------- tables
+
+FAULT_COLUMNS = ("fault_id", "class", "target", "action", "at_step", "t", "downtime_s", "cost_s", "lost_steps")
+
+
+def fault_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """summary.json's per-fault table, in a fixed column order."""
+    return [{k: f.get(k) for k in FAULT_COLUMNS} for f in summary.get("faults", [])]
+
+
+def headline(summary: dict[str, Any]) -> dict[str, Any]:
+    return {"goodput": summary.get("goodput"), "wall_s": summary.get("wall_s"),
+            "steps": summary.get("steps"), "restarts": summary.get("restarts"),
+            "faults": len(summary.get("faults", []))}
+
+
+def comparison_rows(comparison: dict[str, Any]) -> list[dict[str, Any]]:
+    """The error table: one row per fault, then wall time and goodput, each with the declared
+    tolerance and pass/fail. Per-fault rows are judged against the downtime tolerance (the
+    headline `pass.downtime` is the median's, as comparison.json declares it)."""
+    tol = comparison.get("tolerances", {})
+    dtol = tol.get("downtime_rel_tol")
+    rows = []
+    for f in comparison.get("faults", []):
+        err = f.get("downtime_rel_err")
+        rows.append({
+            "row": f"fault {f.get('fault_id')}", "class": f.get("class"), "target": f.get("target"),
+            "predicted": f.get("predicted", {}).get("downtime_s"),
+            "observed": f.get("observed", {}).get("downtime_s"),
+            "rel_err": err, "tolerance": dtol,
+            "pass": None if err is None or dtol is None else abs(err) <= dtol,
+        })
+    passed = comparison.get("pass", {})
+    if comparison.get("downtime_median_rel_err") is not None:
+        rows.append({"row": "downtime (median)", "class": None, "target": None, "predicted": None,
+                     "observed": None, "rel_err": comparison["downtime_median_rel_err"],
+                     "tolerance": dtol, "pass": passed.get("downtime")})
+    wall = comparison.get("wall_s")
+    if wall:
+        rows.append({"row": "wall_s", "class": None, "target": None, "predicted": wall.get("predicted"),
+                     "observed": wall.get("observed"), "rel_err": wall.get("rel_err"),
+                     "tolerance": tol.get("wall_rel_tol"), "pass": passed.get("wall")})
+    good = comparison.get("goodput")
+    if good:
+        rows.append({"row": "goodput", "class": None, "target": None, "predicted": good.get("predicted"),
+                     "observed": good.get("observed"), "rel_err": good.get("rel_err"),
+                     "tolerance": None, "pass": None})
+    return rows
+
+
+def parity_rows(comparison: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (fault, repetition): predicted downtime with the twin's interval and the
+    observed downtime of that repetition. Falls back to the observed mean when there are no
+    per-repetition figures."""
+    rows = []
+    for f in comparison.get("faults", []):
+        pred = f.get("predicted", {})
+        obs = f.get("observed", {})
+        if pred.get("downtime_s") is None:
+            continue
+        lo, hi = (pred.get("downtime_ci95") or [pred["downtime_s"], pred["downtime_s"]])[:2]
+        reps = obs.get("downtime_s_reps") or ([obs["downtime_s"]] if obs.get("downtime_s") is not None else [])
+        for k, value in enumerate(reps):
+            if value is None:
+                continue
+            rows.append({"fault_id": f.get("fault_id"), "class": f.get("class"), "target": f.get("target"),
+                         "rep": k, "predicted_s": pred["downtime_s"], "predicted_lo": lo, "predicted_hi": hi,
+                         "observed_s": value,
+                         "residual_s": value - pred["downtime_s"],
+                         "rel_residual": (value - pred["downtime_s"]) / pred["downtime_s"] if pred["downtime_s"] else None})
+    return rows
+
+
+def plan_rows(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ranked table: trials by goodput (desc) then cost (asc), flagged pareto /
+    recommended / baseline."""
+    pareto_numbers = {p.get("number") for p in plan.get("pareto", []) if isinstance(p, dict)}
+    rec = plan.get("recommended") or {}
+    rows = []
+    for t in plan.get("trials", []):
+        ci = t.get("goodput_ci95") or [None, None]
+        rows.append({
+            "number": t.get("number"), "goodput": t.get("goodput"),
+            "goodput_lo": ci[0], "goodput_hi": ci[1],
+            "cost_node_hours_per_step": t.get("cost_node_hours_per_step"),
+            "pareto": t.get("number") in pareto_numbers,
+            "recommended": rec.get("number") is not None and rec.get("number") == t.get("number"),
+            "policy": policy_text(t.get("policy", {})),
+        })
+    rows.sort(key=lambda r: (-(r["goodput"] or 0.0), r["cost_node_hours_per_step"] or 0.0))
+    for rank, r in enumerate(rows, 1):
+        r["rank"] = rank
+    return rows
+
+
+def policy_of(entry: dict[str, Any]) -> dict[str, Any]:
+    """The dotted `--set` keys of a plan entry: a trial's `policy`, or the policy keys of
+    `recommended` / `baseline` (which carry them flat, with the figures beside them)."""
+    if isinstance(entry.get("policy"), dict):
+        return dict(entry["policy"])
+    skip = {"goodput", "goodput_ci95", "cost_node_hours_per_step", "number", "label", "name"}
+    out = {}
+    for k, v in entry.items():
+        if k in skip or isinstance(v, (dict, list)):
+            continue
+        out[k if "." in k else f"policy.{k}"] = v
+    return out
+
+
+def policy_text(policy: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={_toml(v)}" for k, v in sorted(policy.items()))
+
+
+def overrides_of(policy: dict[str, Any]) -> list[str]:
+    """{dotted key: value} -> ['key=value', ...] for `keel.scenario.load(..., overrides)`."""
+    return [f"{k}={_toml(v)}" for k, v in policy.items()]
+
+
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    return repr(v)
+
+
+# ----------------------------------------------------------------------------- timelines
+
+def _lane_group(lane: str) -> str:
+    if lane in (RUN_LANE, CHECKPOINT_LANE):
+        return lane
+    return lane.split("/", 1)[0] if "/" in lane else lane
+
+
+def timeline(events: Sequence[Event], summary: dict[str, Any] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """An event log laid out for a Gantt: `bars` (lane, start, end, state) and `marks`
+    (lane, t, kind) for faults, detection and recovery. Lanes: the run itself (stalled while
+    no step commits after a fault, restarting), checkpoints, and each fault's target (a node
+    `region/i`, a region, a shard). Episode bounds come from `keel.metrics`."""
+    bars: list[dict[str, Any]] = []
+    marks: list[dict[str, Any]] = []
+    if not events:
+        return {"bars": bars, "marks": marks, "lanes": []}
+    summary = summary or metrics.summarize(events)
+    start = next((e.t for e in events if e.kind == "run_start"), events[0].t)
+    end = next((e.t for e in reversed(events) if e.kind == "run_end"), events[-1].t)
+    downtime = {f["fault_id"]: f for f in summary.get("faults", [])}
+    lanes: list[str] = [RUN_LANE]
+
+    def lane_of(target: str | None) -> str:
+        lane = target or RUN_LANE
+        if lane not in lanes:
+            lanes.append(lane)
+        return lane
+
+    bars.append({"lane": RUN_LANE, "group": RUN_LANE, "start": start, "end": end, "state": "training",
+                 "fault_id": None, "class": None, "label": "training"})
+    for ep in metrics.fault_episodes(events):
+        fid = ep["fault_id"]
+        lane = lane_of(ep["target"])
+        ep_end = events[ep["last"]].t
+        stall = downtime.get(fid, {}).get("downtime_s")
+        stall_end = ep["t"] + stall if stall is not None else ep_end
+        bars.append({"lane": lane, "group": _lane_group(lane), "start": ep["t"], "end": max(ep_end, stall_end),
+                     "state": ep["class"], "fault_id": fid, "class": ep["class"],
+                     "label": f"fault {fid}: {ep['class']} on {ep['target']} ({ep['action']})"})
+        if stall is not None and stall > 0:
+            bars.append({"lane": RUN_LANE, "group": RUN_LANE, "start": ep["t"], "end": stall_end,
+                         "state": "stalled", "fault_id": fid, "class": ep["class"],
+                         "label": f"no step committed for {stall:.3g} s after fault {fid}"})
+    open_ckpt: float | None = None
+    restart_at: float | None = None
+    for e in events:
+        if e.kind in ("fault", "detect", "recover_start", "recover_end", "reslot", "quarantine", "restart"):
+            lane = lane_of(e.target) if e.kind != "restart" else RUN_LANE
+            marks.append({"lane": lane, "group": _lane_group(lane), "t": e.t, "kind": e.kind,
+                          "step": e.step, "fault_id": e.fault_id, "class": e.fault,
+                          "target": e.target, "action": e.action})
+        if e.kind == "checkpoint_start":
+            open_ckpt = e.t
+        elif e.kind == "checkpoint_end":
+            if CHECKPOINT_LANE not in lanes:
+                lanes.insert(1, CHECKPOINT_LANE)
+            t0 = open_ckpt if open_ckpt is not None else e.t
+            bars.append({"lane": CHECKPOINT_LANE, "group": CHECKPOINT_LANE, "start": t0, "end": e.t,
+                         "state": "checkpoint", "fault_id": None, "class": None,
+                         "label": f"checkpoint at step {e.step}"})
+            open_ckpt = None
+        elif e.kind == "restart":
+            restart_at = e.t
+        elif e.kind == "step" and restart_at is not None:
+            bars.append({"lane": RUN_LANE, "group": RUN_LANE, "start": restart_at, "end": e.t,
+                         "state": "restarting", "fault_id": None, "class": None,
+                         "label": "checkpoint restart"})
+            restart_at = None
+    return {"bars": bars, "marks": marks, "lanes": lanes}
+
+
+def progress(events: Sequence[Event], max_points: int = 400) -> list[dict[str, Any]]:
+    """(t, step) of committed steps, thinned to at most `max_points` (the last one kept)."""
+    pts = [{"t": e.t, "step": e.step} for e in events if e.kind in ("run_start", "step", "run_end")]
+    if len(pts) <= max_points:
+        return pts
+    stride = -(-len(pts) // max_points)
+    return pts[::stride] + ([pts[-1]] if (len(pts) - 1) % stride else [])
+
+
+# ----------------------------------------------------------------------------- topology
+
+def topology_frames(scenario: Scenario) -> dict[str, list[dict[str, Any]]]:
+    """Positions of regions (on a circle) and their nodes (a ring around each region), and
+    the links between regions with their RTT and bandwidth. The spares are the last
+    `policy.hot_spares` nodes in scenario order."""
+    import math
+    regions = scenario.regions
+    n = len(regions)
+    radius = 0.0 if n == 1 else 1.0
+    spares = set(scenario.node_names[len(scenario.node_names) - scenario.policy.hot_spares:]) \
+        if scenario.policy.hot_spares else set()
+    centre: dict[str, tuple[float, float]] = {}
+    region_rows, node_rows, link_rows = [], [], []
+    ring = 0.18 if n > 1 else 0.6
+    for i, r in enumerate(regions):
+        a = math.pi / 2 - 2 * math.pi * i / max(n, 1)
+        cx, cy = radius * math.cos(a), radius * math.sin(a)
+        centre[r.name] = (cx, cy)
+        region_rows.append({"region": r.name, "x": cx, "y": cy, "nodes": r.nodes,
+                            "gpus": r.nodes * r.gpus_per_node, "intra_gbit_s": r.intra_gbit_s,
+                            "label": f"{r.name} ({r.nodes} x {r.gpus_per_node} GPU)"})
+        for j in range(r.nodes):
+            b = 2 * math.pi * j / r.nodes
+            name = f"{r.name}/{j}"
+            node_rows.append({"node": name, "region": r.name,
+                              "x": cx + ring * math.cos(b), "y": cy + ring * math.sin(b),
+                              "role": "hot spare" if name in spares else "training"})
+    for link in scenario.links:
+        (ax, ay), (bx, by) = centre[link.a], centre[link.b]
+        link_rows.append({"a": link.a, "b": link.b, "x": ax, "y": ay, "x2": bx, "y2": by,
+                          "mx": (ax + bx) / 2, "my": (ay + by) / 2,
+                          "rtt_ms": link.rtt_ms, "gbit_s": link.gbit_s, "jitter_ms": link.jitter_ms,
+                          "label": f"{link.rtt_ms:g} ms, {link.gbit_s:g} Gbit/s"})
+    return {"regions": region_rows, "nodes": node_rows, "links": link_rows}
+
+
+# ----------------------------------------------------------------------------- cached wrappers
+# Thin: the key is the path and the file's mtime, so a rewritten file is read again.
+
+def _cached(func: Any, max_entries: int) -> Any:
+    import streamlit as st
+    return st.cache_data(max_entries=max_entries, show_spinner=False)(func)
+
+
+def _run_cached(path: str, _mtime: float) -> tuple[list[Event], dict[str, Any]]:
+    return load_run(path)
+
+
+def _comparison_cached(path: str, _mtime: float) -> dict[str, Any]:
+    return load_comparison(path)
+
+
+def _plan_cached(path: str, _mtime: float) -> dict[str, Any]:
+    return load_plan(path)
+
+
+_wrappers: dict[str, Any] = {}
+
+
+def cached_run(path: str | Path) -> tuple[list[Event], dict[str, Any]]:
+    f = _wrappers.setdefault("run", _cached(_run_cached, 16))
+    return f(str(path), mtime(Path(path) / "events.jsonl"))
+
+
+def cached_comparison(path: str | Path) -> dict[str, Any]:
+    f = _wrappers.setdefault("comparison", _cached(_comparison_cached, 8))
+    return f(str(path), mtime(Path(path) / "comparison.json"))
+
+
+def cached_plan(path: str | Path) -> dict[str, Any]:
+    f = _wrappers.setdefault("plan", _cached(_plan_cached, 8))
+    p = Path(path)
+    return f(str(path), mtime(p / "plan.json" if p.is_dir() else p))
