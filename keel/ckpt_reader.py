@@ -97,6 +97,10 @@ def _read(path: Path) -> tuple[dict[str, Any] | None, dict[str, bytes], list[str
         return None, {}, [f"{mpath}: not a {FORMAT} manifest"]
     if manifest.get("format_version") != FORMAT_VERSION:
         return None, {}, [f"{mpath}: format version {manifest.get('format_version')!r}; this reader reads version {FORMAT_VERSION}"]
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    if manifest.get("manifest_sha256") != hashlib.sha256(canonical.encode()).hexdigest():
+        return None, {}, [f"{mpath}: manifest_sha256 does not match the manifest's own content (altered)"]
     problems: list[str] = []
     if not isinstance(manifest.get("step"), int) or manifest["step"] < 0:
         problems.append(f"{mpath}: 'step' is not a non-negative integer")

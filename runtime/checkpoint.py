@@ -155,6 +155,10 @@ def apply_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any
 
 # ----------------------------------------------------------------------------- writing
 
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
 def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
@@ -242,8 +246,9 @@ def write_snapshot(run_dir: str | Path, snapshot: Snapshot, keep: int = 3) -> Pa
         for name, data in files.items():
             _write_file(tmp / name, data)
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": snapshot.step,
-                    "created_unix_s": round(time.time(), 3), "fields": FIELD_FILES,
+                    "created_unix_ms": int(time.time() * 1000), "fields": FIELD_FILES,
                     "files": {name: {"sha256": sha256(data).hexdigest(), "bytes": len(data)} for name, data in files.items()}}
+        manifest["manifest_sha256"] = sha256(_canonical(manifest)).hexdigest()
         _write_file(tmp / MANIFEST, _json_bytes(manifest))
         _fsync_dir(tmp)
         if final.exists():  # the same step written again (a redone step): replace it
@@ -382,6 +387,9 @@ def _read_verified(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
         raise CheckpointError(f"{mpath}: not a {FORMAT} manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{mpath}: format version {manifest.get('format_version')!r}, this reader knows {FORMAT_VERSION}")
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    if manifest.get("manifest_sha256") != sha256(_canonical(body)).hexdigest():
+        raise CheckpointError(f"{mpath}: manifest_sha256 does not match the manifest's content (altered)")
     listed = manifest.get("files") or {}
     problems = [f"{path / f}: required file not listed in the manifest" for f in FILES if f not in listed]
     problems += [f"{path / f}: file not listed in the manifest" for f in sorted(os.listdir(path))
