@@ -233,7 +233,7 @@ def plan_rows(plan: dict[str, Any]) -> list[dict[str, Any]]:
     """The ranked table: trials by goodput (desc) then cost (asc), flagged pareto /
     recommended / baseline."""
     pareto_numbers = {p.get("number") for p in plan.get("pareto", []) if isinstance(p, dict)}
-    rec = plan.get("recommended") or {}
+    rec = policy_of(plan.get("recommended") or {})
     rows = []
     for t in plan.get("trials", []):
         ci = t.get("goodput_ci95") or [None, None]
@@ -242,7 +242,8 @@ def plan_rows(plan: dict[str, Any]) -> list[dict[str, Any]]:
             "goodput_lo": ci[0], "goodput_hi": ci[1],
             "cost_node_hours_per_step": t.get("cost_node_hours_per_step"),
             "pareto": t.get("number") in pareto_numbers,
-            "recommended": rec.get("number") is not None and rec.get("number") == t.get("number"),
+            "recommended": bool(rec) and t.get("policy") == rec,
+            "source": t.get("source"),
             "policy": policy_text(t.get("policy", {})),
         })
     rows.sort(key=lambda r: (-(r["goodput"] or 0.0), r["cost_node_hours_per_step"] or 0.0))
@@ -252,17 +253,11 @@ def plan_rows(plan: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def policy_of(entry: dict[str, Any]) -> dict[str, Any]:
-    """The dotted `--set` keys of a plan entry: a trial's `policy`, or the policy keys of
-    `recommended` / `baseline` (which carry them flat, with the figures beside them)."""
+    """The dotted `--set` keys of a plan entry: a trial's `policy`, or the dotted keys that
+    `recommended` / `baseline` carry flat beside their figures."""
     if isinstance(entry.get("policy"), dict):
         return dict(entry["policy"])
-    skip = {"goodput", "goodput_ci95", "cost_node_hours_per_step", "number", "label", "name"}
-    out = {}
-    for k, v in entry.items():
-        if k in skip or isinstance(v, (dict, list)):
-            continue
-        out[k if "." in k else f"policy.{k}"] = v
-    return out
+    return {k: v for k, v in entry.items() if "." in k and not isinstance(v, (dict, list))}
 
 
 def policy_text(policy: dict[str, Any]) -> str:

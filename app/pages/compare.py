@@ -1,0 +1,56 @@
+"""Compare: a validation (`keel validate --out DIR`) read back. The parity plot of observed
+against predicted downtime per fault, residuals by fault class, the twin's and the runtime's
+timelines one above the other, and the error table against the declared tolerances."""
+import streamlit as st
+
+from app import charts, data, ui
+from keel.errors import InputError
+
+st.title("Compare: predicted against observed")
+picked = ui.pick_dir("validation directory", ["validation"], key="compare_dir")
+if picked is None:
+    st.info(f"No validation under `{ui.runs_root()}`. `keel validate scenarios/local-8.toml --out "
+            f"{ui.runs_root() / 'validate'}` runs the twin and the runtime on one fault schedule.")
+    st.stop()
+try:
+    comparison = data.cached_comparison(picked)
+    runs = {label: data.cached_run(path) for label, path in data.validation_runs(picked).items()}
+except InputError as e:
+    ui.show_error(e)
+    st.stop()
+
+tol = comparison["tolerances"]
+verdict = comparison.get("pass", {})
+st.caption(f"{comparison.get('scenario')}: {comparison.get('repetitions')} runtime repetitions, "
+           f"calibration `{comparison.get('calibration') or 'none'}`, config hash `{str(comparison.get('config_hash'))[:16]}`")
+cols = st.columns(4)
+median = comparison.get("downtime_median_rel_err")
+cols[0].metric("downtime: median rel. error", "n/a" if median is None else f"{median:.1%}",
+               help=f"declared tolerance {tol.get('downtime_rel_tol', float('nan')):.0%}")
+wall = comparison.get("wall_s") or {}
+cols[1].metric("wall time: rel. error", "n/a" if wall.get("rel_err") is None else f"{wall['rel_err']:.1%}",
+               help=f"declared tolerance {tol.get('wall_rel_tol', float('nan')):.0%}")
+good = comparison.get("goodput") or {}
+cols[2].metric("goodput predicted / observed",
+               "n/a" if good.get("predicted") is None else f"{good['predicted']:.3f} / {good.get('observed', float('nan')):.3f}")
+overall = verdict.get("all")
+cols[3].metric("verdict", {True: "pass", False: "fail", None: "n/a"}[overall])
+if overall is False:
+    failed = [k for k, v in verdict.items() if v is False and k != "all"]
+    st.error(f"outside the declared tolerances: {', '.join(failed) or 'see the table'}")
+
+left, right = st.columns(2)
+with left:
+    st.altair_chart(charts.parity_chart(comparison))
+with right:
+    st.altair_chart(charts.residual_chart(comparison))
+
+st.subheader("errors against the declared tolerances")
+st.dataframe(data.comparison_rows(comparison), hide_index=True)
+
+if runs:
+    st.subheader("timelines: the twin above the runtime's repetitions")
+    st.altair_chart(charts.aligned_timelines(runs))
+    st.altair_chart(charts.progress_chart({k: ev for k, (ev, _) in runs.items()}))
+else:
+    st.caption("(no twin/ or runtime/rep-K/ event logs beside comparison.json)")

@@ -1,0 +1,63 @@
+"""Runs: what is under the runs directory; with nothing there, the default scenario and a
+button that runs the twin on it."""
+import streamlit as st
+
+from app import charts, data, ui
+from keel.cli import DEFAULT_SCENARIO
+from keel.errors import InputError
+
+st.title("keel")
+st.caption("Digital twin, planner and resilient runtime for multi-region training.")
+root = ui.runs_root()
+runs = data.list_runs(root)
+
+if not runs:
+    st.info(f"No runs under `{root}` yet. Start with the default scenario: the twin predicts it in seconds.")
+    try:
+        default = ui.current_scenario() if st.session_state["scenario_path"] == str(DEFAULT_SCENARIO) else None
+        if default is None:
+            from keel import scenario as sc
+            default = sc.load(DEFAULT_SCENARIO)
+    except InputError as e:
+        ui.show_error(e)
+        st.stop()
+    st.subheader(f"{default.run.name}: {default.total_nodes} nodes, {len(default.regions)} regions, "
+                 f"{sum(r.nodes * r.gpus_per_node for r in default.regions)} GPUs")
+    st.altair_chart(charts.topology_chart(default))
+    if not ui.twin_available():
+        st.warning("The twin (`twin.simulate`) is not part of this checkout yet.")
+    elif st.button(f"Run the twin on {default.run.name}", type="primary", key="run_default"):
+        out = root / default.run.name
+        with st.status(f"twin: simulating {default.run.name} ({default.run.steps} steps)", expanded=False) as status:
+            try:
+                events, summary = ui.simulate(default)
+                ui.save_run(events, summary, out)
+            except InputError as e:
+                status.update(label="the twin refused the scenario", state="error")
+                ui.show_error(e)
+                st.stop()
+            status.update(label=f"wrote {out}", state="complete")
+        st.rerun()
+    st.stop()
+
+st.subheader(f"Runs under `{root}`")
+st.dataframe([{"directory": r.label, "kind": r.kind, "path": str(r.path)} for r in runs], hide_index=True)
+latest = next((r for r in runs if r.kind == "run"), None)
+if latest is not None:
+    try:
+        events, summary = data.cached_run(latest.path)
+    except InputError as e:
+        ui.show_error(e)
+        st.stop()
+    st.subheader(f"Latest run: {latest.label}")
+    cols = st.columns(4)
+    h = data.headline(summary)
+    cols[0].metric("goodput", f"{h['goodput']:.3f}")
+    cols[1].metric("wall time", f"{h['wall_s']:.4g} s")
+    cols[2].metric("faults", h["faults"])
+    cols[3].metric("restarts", h["restarts"])
+    st.altair_chart(charts.timeline_chart(events, summary, title=latest.label))
+kinds = {r.kind for r in runs}
+st.caption("Open " + ", ".join(p for k, p in (("run", "**Simulate** for runs"), ("validation", "**Compare** for validations"),
+                                                ("plan", "**Plan** for plans")) if k in kinds)
+           + "; `keel report DIR` writes any of them as one HTML file.")

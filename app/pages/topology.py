@@ -1,0 +1,159 @@
+"""Topology: load a scenario, see the cluster as a graph grouped by region, edit it (nodes
+per region, link latency and bandwidth, fault rates, policy knobs), save it as a new file.
+Every edit is a `--set`-style override checked by the scenario schema; a refused edit shows
+the schema's message and leaves the current scenario as it was."""
+from pathlib import Path
+
+import streamlit as st
+
+from app import charts, data, ui
+from keel import scenario as sc
+from keel.errors import InputError
+
+s = st.session_state
+s.setdefault("topology_gen", 0)       # bumps when a new file is loaded: fresh widgets
+s.setdefault("topology_draft", {})    # dotted key -> value of every widget, kept across pages
+s.setdefault("topology_extra", "")    # free-form key=value lines
+
+
+def load(path: str) -> None:
+    try:
+        ui.load_scenario_file(path)
+    except InputError as e:
+        s["topology_load_error"] = str(e)
+        return
+    s["topology_load_error"] = None
+    s["topology_draft"] = {}
+    s["topology_extra"] = ""
+    s["topology_gen"] += 1
+
+
+st.title("Topology")
+files = [str(p) for p in ui.scenario_files()]
+top = st.columns([3, 2])
+with top[0]:
+    current_path = s["scenario_path"]
+    file_key = f"topology_file{s['topology_gen']}"
+    st.selectbox("scenario file", files, index=files.index(current_path) if current_path in files else 0,
+                 key=file_key, on_change=lambda k: load(s[k]), args=(file_key,))
+with top[1]:
+    typed = st.text_input("or a scenario path", key="topology_path")
+    if typed.strip() and st.button("Load path", key="topology_load_path"):
+        load(typed.strip())
+        st.rerun()
+if s.get("topology_load_error"):
+    st.error(s["topology_load_error"])
+
+try:
+    ui.current_scenario()  # reads the file into the session on first use
+    base = sc.loads(s["scenario_text"], s["scenario_path"])
+except InputError as e:
+    ui.show_error(e)
+    st.stop()
+
+gen = s["topology_gen"]
+draft: dict = s["topology_draft"]
+values: dict = {}
+
+
+def field(kind: str, key: str, label: str, current, **kw):
+    """One widget for the dotted `key`, initialised from the draft (else the file)."""
+    value = draft.get(key, current)
+    wkey = f"topo{gen}:{key}"
+    if kind == "int":
+        values[key] = st.number_input(label, value=int(value), step=1, key=wkey, **kw)
+    elif kind == "float":
+        values[key] = st.number_input(label, value=float(value), key=wkey, format="%g", **kw)
+    elif kind == "text":
+        values[key] = st.text_input(label, value=str(value), key=wkey, **kw)
+    elif kind == "select":
+        opts = kw.pop("options")
+        values[key] = st.selectbox(label, opts, index=opts.index(value), key=wkey, **kw)
+    elif kind == "bool":
+        values[key] = st.checkbox(label, value=bool(value), key=wkey, **kw)
+
+
+edit_col, graph_col = st.columns([2, 3])
+with edit_col:
+    field("text", "run.name", "run name", base.run.name)
+    with st.expander("Regions", expanded=True):
+        for i, r in enumerate(base.regions):
+            field("int", f"regions.{i}.nodes", f"{r.name}: nodes", r.nodes)
+    with st.expander("Links", expanded=True):
+        for i, link in enumerate(base.links):
+            c1, c2 = st.columns(2)
+            with c1:
+                field("float", f"links.{i}.rtt_ms", f"{link.a} - {link.b}: RTT (ms)", link.rtt_ms)
+            with c2:
+                field("float", f"links.{i}.gbit_s", "bandwidth (Gbit/s)", link.gbit_s)
+    with st.expander("Fault rates"):
+        f = base.faults
+        field("float", "faults.hardware_fault.mtbf_node_hours", "hardware: MTBF per node (hours, 0 = off)", f.hardware_fault.mtbf_node_hours)
+        field("float", "faults.network_jitter.per_day", "network jitter: spikes per day", f.network_jitter.per_day)
+        field("float", "faults.partial_cluster_loss.per_day", "partial cluster loss: events per day", f.partial_cluster_loss.per_day)
+        field("float", "faults.data_shard_skew.per_day", "data shard skew: bad shards per day", f.data_shard_skew.per_day)
+    with st.expander("Policy"):
+        p = base.policy
+        field("select", "policy.kind", "policy", p.kind, options=["absorb", "checkpoint_restart"])
+        field("int", "policy.hot_spares", "hot spares", p.hot_spares)
+        field("float", "policy.heartbeat_s", "heartbeat (s)", p.heartbeat_s)
+        field("float", "policy.detect_timeout_s", "detect timeout (s)", p.detect_timeout_s)
+        field("float", "policy.straggler_factor", "straggler factor", p.straggler_factor)
+        field("int", "checkpoint.interval_steps", "checkpoint interval (steps)", base.checkpoint.interval_steps)
+    extra = st.text_area("more edits, one `dotted.key=value` a line", value=s["topology_extra"], key=f"topo{gen}:extra",
+                         help="any scenario key, as with `keel ... --set`, e.g. regions.2.speed=0.8")
+
+s["topology_draft"] = dict(values)
+s["topology_extra"] = extra
+base_plain = base.to_dict()
+
+
+def file_value(key: str):
+    node = base_plain
+    for part in key.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+overrides = [f"{k}={data._toml(v)}" for k, v in values.items() if v != file_value(k)]
+overrides += [line.strip() for line in extra.splitlines() if line.strip() and not line.strip().startswith("#")]
+try:
+    edited = sc.loads(s["scenario_text"], s["scenario_path"], overrides)
+    s["scenario_overrides"] = overrides
+    edit_error = None
+except InputError as e:
+    edit_error = str(e)
+    edited = ui.current_scenario()
+
+with graph_col:
+    if edit_error:
+        st.error(edit_error, icon=":material/error:")
+        st.caption("The graph shows the last valid scenario.")
+    st.altair_chart(charts.topology_chart(edited))
+    changes = sc.diff_configs(base_plain, edited.to_dict())
+    st.caption(f"config hash `{edited.config_hash()[:16]}`; "
+               + (f"{len(changes)} change{'s' * (len(changes) != 1)} over the file" if changes else "as in the file"))
+    if changes:
+        st.code("\n".join(changes), language=None)
+
+    st.subheader("Save as a new scenario file")
+    folder = ui.runs_root() / "scenarios"
+    name = st.text_input("file name", value=f"{edited.run.name}.toml", key="topology_save_name")
+    if st.button("Save", key="topology_save", disabled=bool(edit_error)):
+        target = Path(name) if Path(name).is_absolute() or "/" in name else folder / name
+        if target.suffix != ".toml":
+            st.error(f"{target}: expected a file name ending in .toml")
+        elif target.exists():
+            st.error(f"{target}: exists already; choose a new file name")
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            text = sc.dumps(edited)
+            sc.loads(text, str(target))  # what we write must load back
+            target.write_text(text)
+            load(str(target))
+            s["topology_saved"] = str(target)
+            st.rerun()
+    if s.get("topology_saved"):
+        st.success(f"saved {s['topology_saved']}; it is now the current scenario")
+    with st.expander("resolved TOML"):
+        st.code(sc.dumps(edited), language="toml")
