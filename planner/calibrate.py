@@ -1,0 +1,470 @@
+"""`keel calibrate`: measure, on this machine, every primitive the twin needs to model the
+runtime (twin/params.py lists them), with the machine and versions they were measured on.
+
+Nothing is typed in by hand. Three kinds of measurement, each repeated:
+- micro-benchmarks in a gloo group of as many processes as the local scenario has training
+  workers: one slot's forward and backward with the real model and data (one process computing
+  at a time, the others idle), the deterministic slot reduction (`runtime.reduction`) at
+  several gradient sizes (fitted as latency + bytes / bandwidth), and a peer state copy
+  (a broadcast of weights and optimizer state);
+- checkpoint snapshot, write and read throughput with `runtime.checkpoint` on the real model;
+- short real runs through `runtime.api.run_scenario` of the local scenario's shape with
+  their own fault schedule (a killed worker taken over by the hot spare, a hung worker, a
+  killed worker under `checkpoint_restart`), read from their event logs: detection, re-forming,
+  take-over and restart times, and the fault-free step time (whose part beyond compute and
+  reduction is `step_overhead_s`).
+The runs use another seed and schedule than any scenario they later validate.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from keel import scenario as S
+from keel.errors import RunFailed
+
+UNITS = {
+    "slot_compute_s": "s", "step_overhead_s": "s", "reduce_latency_s": "s", "reduce_gbyte_s": "GB/s",
+    "detect_kill_s": "s", "detect_hang_s": "s", "reform_s": "s", "state_transfer_gbyte_s": "GB/s",
+    "spare_takeover_s": "s", "ckpt_snapshot_gbyte_s": "GB/s", "ckpt_write_gbyte_s": "GB/s",
+    "ckpt_read_gbyte_s": "GB/s", "restart_s": "s",
+}
+PRIMITIVES = tuple(UNITS)
+
+
+# ----------------------------------------------------------------------------- the record
+
+def machine() -> dict[str, Any]:
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    cpu_model = platform.processor() or None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu_model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu_model)
+    except OSError:
+        pass
+    return {"hostname": socket.gethostname(), "platform": platform.platform(), "machine": platform.machine(),
+            "cpu_model": cpu_model, "cpu_count": os.cpu_count(),
+            "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "memory_bytes": mem}
+
+
+def versions() -> dict[str, Any]:
+    import importlib.metadata as md
+    out: dict[str, Any] = {"python": platform.python_version()}
+    for pkg in ("torch", "numpy", "simpy", "networkx", "optuna", "keel"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    try:
+        from runtime.checkpoint import current_commit_sha
+        out["commit_sha"] = current_commit_sha()
+    except Exception:  # calibration must not fail on a missing git
+        out["commit_sha"] = "unknown"
+    return out
+
+
+def entry(samples: Sequence[float], unit: str, **extra: Any) -> dict[str, Any]:
+    xs = sorted(float(x) for x in samples)
+    q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0], xs[0], xs[0]]
+    return {"median": statistics.median(xs), "spread": [xs[0], xs[-1]], "iqr": [q[0], q[2]],
+            "samples": [float(x) for x in samples], "n": len(xs), "unit": unit, **extra}
+
+
+# ----------------------------------------------------------------------------- micro-benchmarks
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model_and_batch(scenario: S.Scenario):
+    import torch
+    from runtime.data import Loader, ensure_dataset
+    from runtime.model import build_model, build_optimizer
+    model = build_model(scenario.model, scenario.run.seed)
+    opt = build_optimizer(model, scenario.model)
+    loader = Loader(ensure_dataset(shards=scenario.data.shards), scenario.run.seed + 1000,
+                    scenario.model.context, scenario.workload.micro_batch)
+    return torch, model, opt, loader
+
+
+def _bench_worker(rank: int, world: int, port: int, scenario: S.Scenario, reps: int, queue: Any) -> None:
+    """One process of the micro-benchmark group (spawned)."""
+    try:
+        import torch
+        import torch.distributed as dist
+        from runtime.model import slot_loss
+        from runtime.reduction import Layout, SlotReducer, broadcast
+        torch.set_num_threads(1)
+        torch, model, opt, loader = _model_and_batch(scenario)
+        pg_store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=_dt.timedelta(seconds=120))
+        dist.init_process_group("gloo", store=pg_store, rank=rank, world_size=world,
+                                timeout=_dt.timedelta(seconds=120))
+        pg = dist.group.WORLD
+        never = lambda: False  # noqa: E731
+        out: dict[str, Any] = {"rank": rank}
+
+        # one slot's forward + backward, one process at a time (the others wait at a barrier)
+        compute = []
+        for turn in range(world):
+            dist.barrier()
+            if turn == rank:
+                for i in range(reps + 2):
+                    b = loader.batch(i, rank)
+                    t0 = time.perf_counter()
+                    model.zero_grad(set_to_none=True)
+                    slot_loss(model, b.x, b.y, b.w).backward()
+                    dt = time.perf_counter() - t0
+                    if i >= 2:  # two warm-up passes
+                        compute.append(dt)
+        out["slot_compute_s"] = compute
+
+        # the deterministic slot reduction at several gradient sizes
+        n_params = sum(p.numel() for p in model.parameters())
+        sizes = {}
+        for factor in (0.25, 1.0, 4.0):
+            total = max(1024, int(n_params * factor))
+            layout = Layout(tuple([total // 4] * 4 + [1]))
+            reducer = SlotReducer(layout, slots=world)
+            vec = [torch.randn(layout.total, generator=torch.Generator().manual_seed(rank))]
+            times = []
+            for i in range(reps + 2):
+                dist.barrier()
+                t0 = time.perf_counter()
+                reducer.reduce(pg, vec, never)
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            sizes[layout.total * 4] = times  # float32 gradient bytes
+        out["reduce"] = sizes
+
+        # a peer state copy: weights and optimizer state broadcast from rank 0
+        b = loader.batch(0, rank)
+        slot_loss(model, b.x, b.y, b.w).backward()
+        opt.step()
+        state = torch.cat([p.detach().reshape(-1) for p in model.parameters()]
+                          + [v.reshape(-1).float() for st in opt.state.values() for v in st.values()
+                             if torch.is_tensor(v) and v.numel() > 1])
+        transfer = []
+        for i in range(reps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            broadcast(pg, state.clone(), 0, never)
+            if i >= 1:
+                transfer.append(time.perf_counter() - t0)
+        out["state_bytes"] = state.numel() * 4
+        out["state_transfer_s"] = transfer
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put(out)
+    except BaseException as e:  # reported to the parent, which decides
+        queue.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
+
+
+def micro_group(scenario: S.Scenario, world: int, reps: int, timeout_s: float = 300.0) -> list[dict]:
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_bench_worker, args=(r, world, port, scenario, reps, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RunFailed(f"calibration micro-benchmark: {world - len(results)} of {world} processes "
+                                f"did not report within {timeout_s:.0f} s")
+            try:
+                results.append(queue.get(timeout=min(left, 5.0)))
+            except Exception:
+                if all(not p.is_alive() for p in procs) and queue.empty():
+                    raise RunFailed("calibration micro-benchmark: its processes died without reporting") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise RunFailed(f"calibration micro-benchmark failed: {errors[0]}")
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def fit_affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares y = a + b x; returns (a, b)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    return my - b * mx, b
+
+
+def reduce_primitives(results: list[dict]) -> tuple[list[float], list[float], dict]:
+    """Per repetition: fit latency + bytes * s_per_byte over the sizes (the slowest rank's time
+    is the collective's); returns (latencies, bandwidths GB/s, the medians per size)."""
+    sizes = sorted(results[0]["reduce"], key=float)
+    reps = len(results[0]["reduce"][sizes[0]])
+    lat, bw = [], []
+    for i in range(reps):
+        xs = [float(s) for s in sizes]
+        ys = [max(r["reduce"][s][i] for r in results) for s in sizes]
+        a, b = fit_affine(xs, ys)
+        lat.append(max(0.0, a))
+        bw.append(1.0 / b / 1e9 if b > 0 else float("inf"))
+    per_size = {str(s): statistics.median(max(r["reduce"][s][i] for r in results) for i in range(reps))
+                for s in sizes}
+    finite = [x for x in bw if x != float("inf")] or [1e3]
+    return lat, finite, per_size
+
+
+def checkpoint_throughput(scenario: S.Scenario, reps: int, workdir: Path) -> dict[str, list[float]]:
+    """Snapshot, write and read GB/s of the real model's checkpoint with runtime.checkpoint."""
+    from runtime import checkpoint as C
+    from runtime.model import slot_loss
+    torch, model, opt, loader = _model_and_batch(scenario)
+    b = loader.batch(0, 0)
+    slot_loss(model, b.x, b.y, b.w).backward()
+    opt.step()
+    cfg = scenario.to_dict()
+    chash = scenario.config_hash()
+    data_state = loader.state(1)
+    topo = {"calibration": True}
+    snap_rates, write_rates, read_rates = [], [], []
+    run_dir = workdir / "ckpt-bench"
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        snap = C.take_snapshot(step=i + 1, model=model, optimizer=opt, rng=C.capture_rng(), data_state=data_state,
+                               config_hash=chash, config=cfg, topology=topo)
+        t1 = time.perf_counter()
+        path = C.write_snapshot(run_dir, snap, keep=2)
+        t2 = time.perf_counter()
+        C.load_checkpoint(path, config_hash=chash)
+        t3 = time.perf_counter()
+        nbytes = sum(f.stat().st_size for f in path.iterdir())
+        tensor_bytes = sum(t.numel() * t.element_size() for t in snap.weights.values()) + \
+            sum(t.numel() * t.element_size() for t in snap.optimizer_tensors.values())
+        if i == 0:
+            continue  # warm-up
+        snap_rates.append(tensor_bytes / (t1 - t0) / 1e9)
+        write_rates.append(nbytes / (t2 - t1) / 1e9)
+        read_rates.append(nbytes / (t3 - t2) / 1e9)
+    return {"ckpt_snapshot_gbyte_s": snap_rates, "ckpt_write_gbyte_s": write_rates,
+            "ckpt_read_gbyte_s": read_rates}
+
+
+# ----------------------------------------------------------------------------- real runtime runs
+
+def calibration_scenario(base: S.Scenario, *, steps: int, schedule: Sequence[Mapping[str, Any]],
+                         overrides: Mapping[str, Any] | None = None) -> S.Scenario:
+    """The local scenario's shape with a calibration seed and schedule of its own."""
+    from planner.scenarios import plain
+    raw = plain(base)
+    raw["run"]["name"] = f"{base.run.name}-calibration"
+    raw["run"]["seed"] = base.run.seed + 1000
+    raw["run"]["steps"] = steps
+    raw["faults"] = {"schedule": [dict(e) for e in schedule]}
+    raw["checkpoint"]["interval_steps"] = max(1, steps // 3)
+    for key, value in (overrides or {}).items():
+        S.apply_override(raw, key, value, base.source)
+    return S.from_dict(raw, base.source)
+
+
+def _episode_times(events: Sequence[Any]) -> dict[int, dict[str, Any]]:
+    """Per fault_id: the time of its first event of each kind, and the detail of each."""
+    out: dict[int, dict[str, Any]] = {}
+    for e in events:
+        fid = e.detail.get("fault_id")
+        if fid is None:
+            continue
+        ep = out.setdefault(fid, {"class": e.fault, "target": e.target, "t": {}, "detail": {}})
+        ep["t"].setdefault(e.kind, e.t)
+        ep["detail"].setdefault(e.kind, e.detail)
+    return out
+
+
+def _first_commit_after(events: Sequence[Any], t: float) -> float | None:
+    return next((e.t for e in events if e.kind == "step" and e.t > t), None)
+
+
+def run_runtime(scenario: S.Scenario, out_dir: Path, env: Mapping[str, str] | None = None) -> tuple[dict, list]:
+    from keel.events import read_events
+    from runtime.api import run_scenario
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        summary = run_scenario(scenario, out_dir, progress=False)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return summary, read_events(Path(out_dir) / "events.jsonl")
+
+
+def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int,
+                        progress: Callable[[str], None]) -> dict[str, list[float]]:
+    """Kill a worker (the spare takes over) and hang another, `reps` runs; one killed worker
+    under checkpoint_restart, `reps` runs. Durations from the event logs."""
+    trained = base.node_names[: base.training_nodes]
+    kill_at, hang_at = max(2, steps // 5), max(4, (3 * steps) // 5)
+    kill_target, hang_target = trained[1], trained[2]
+    sc = calibration_scenario(base, steps=steps, schedule=[
+        {"at_step": kill_at, "class": "hardware_fault", "target": kill_target}])
+    out: dict[str, list[float]] = {k: [] for k in ("detect_kill_s", "detect_hang_s", "reform_s",
+                                                 "spare_takeover_s", "step_time_s", "restart_s")}
+    for rep in range(reps):
+        progress(f"runtime run {rep + 1}/{reps}: a killed worker taken over by the spare, a hung worker")
+        summary, events = run_runtime(sc, workdir / f"absorb-{rep}", {"KEEL_INJECT_HANG": f"{hang_target}@{hang_at}"})
+        out["step_time_s"].append(float(summary["step_time_s"]))
+        for fid, ep in _episode_times(events).items():
+            t = ep["t"]
+            if "fault" not in t or "detect" not in t:
+                continue
+            detect = t["detect"] - t["fault"]
+            hung = ep["detail"]["fault"].get("mode") == "hang" or ep["class"] is None or ep["target"] == hang_target
+            if hung:
+                out["detect_hang_s"].append(detect)
+                continue
+            out["detect_kill_s"].append(detect)
+            if "recover_start" in t and "recover_end" in t:
+                rec = ep["detail"]["recover_end"]
+                if "reform_s" in rec:
+                    out["reform_s"].append(float(rec["reform_s"]))
+                else:
+                    out["reform_s"].append(t["recover_end"] - t["recover_start"])
+                if "takeover_s" in rec:
+                    out["spare_takeover_s"].append(float(rec["takeover_s"]))
+    cr = calibration_scenario(base, steps=steps, schedule=[
+        {"at_step": kill_at + max(1, steps // 6), "class": "hardware_fault", "target": kill_target}],
+        overrides={"policy.kind": "checkpoint_restart"})
+    for rep in range(max(1, reps - 1)):
+        progress(f"runtime run {rep + 1}/{max(1, reps - 1)}: a killed worker under checkpoint_restart")
+        summary, events = run_runtime(cr, workdir / f"restart-{rep}")
+        for fid, ep in _episode_times(events).items():
+            t = ep["t"]
+            if "restart" in t:
+                resumed = _first_commit_after(events, t["restart"])
+                rec = ep["detail"].get("restart", {})
+                if "restart_s" in rec:
+                    out["restart_s"].append(float(rec["restart_s"]))
+                elif resumed is not None:
+                    out["restart_s"].append(resumed - t["restart"])
+    return out
+
+
+# ----------------------------------------------------------------------------- calibrate
+
+def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: str | Path | None = None,
+              progress: bool = True) -> dict[str, Any]:
+    """Measure every primitive; the object `calibration.json` holds."""
+    from keel.cli import LOCAL_SCENARIO
+    base = base or S.load(LOCAL_SCENARIO)
+    reps = 3 if quick else 7
+    run_reps = 1 if quick else 3
+    run_steps = 16 if quick else 30
+    world = base.training_nodes
+    started = time.perf_counter()
+
+    def say(msg: str) -> None:
+        if progress:
+            print(f"calibrate: {msg} [{time.perf_counter() - started:.0f} s]", file=sys.stderr, flush=True)
+
+    tmp = tempfile.TemporaryDirectory(prefix="keel-calibrate-") if workdir is None else None
+    work = Path(tmp.name if tmp else workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        say(f"micro-benchmarks in a gloo group of {world} processes ({reps} repetitions)")
+        group = micro_group(base, world, reps)
+        compute = [x for r in group for x in r["slot_compute_s"]]
+        lat, bw, per_size = reduce_primitives(group)
+        state_bytes = group[0]["state_bytes"]
+        transfer = [state_bytes / max(max(r["state_transfer_s"][i] for r in group), 1e-9) / 1e9
+                    for i in range(len(group[0]["state_transfer_s"]))]
+        say("checkpoint snapshot, write and read")
+        ckpt = checkpoint_throughput(base, reps, work)
+        rec = recovery_primitives(base, run_reps, work / "runs", run_steps, say)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+    slot_compute = statistics.median(compute)
+    reduce_s = statistics.median(lat) + base.workload.gradient_bytes / (statistics.median(bw) * 1e9)
+    slots_per_worker = -(-base.slot_count // world)
+    overhead = [max(0.0, st - slots_per_worker * slot_compute - reduce_s) for st in rec["step_time_s"]]
+    primitives = {
+        "slot_compute_s": entry(compute, "s", how="one slot's forward+backward, real model and data, one process at a time"),
+        "step_overhead_s": entry(overhead, "s", how="runtime fault-free step time - slots x slot_compute - reduction",
+                                 step_time_s=rec["step_time_s"], slots_per_worker=slots_per_worker),
+        "reduce_latency_s": entry(lat, "s", how=f"runtime.reduction over {world} gloo processes, affine fit",
+                                  world_size=world, median_s_per_gradient_bytes=per_size),
+        "reduce_gbyte_s": entry(bw, "GB/s", how="float32 gradient bytes / the fit's bandwidth term", world_size=world),
+        "state_transfer_gbyte_s": entry(transfer, "GB/s", how="broadcast of weights + optimizer state over gloo",
+                                        bytes=state_bytes, world_size=world),
+        "ckpt_snapshot_gbyte_s": entry(ckpt["ckpt_snapshot_gbyte_s"], "GB/s", how="runtime.checkpoint.take_snapshot"),
+        "ckpt_write_gbyte_s": entry(ckpt["ckpt_write_gbyte_s"], "GB/s", how="runtime.checkpoint.write_snapshot (fsynced)"),
+        "ckpt_read_gbyte_s": entry(ckpt["ckpt_read_gbyte_s"], "GB/s", how="runtime.checkpoint.load_checkpoint (verified)"),
+    }
+    for name, how in (("detect_kill_s", "detect - fault of a SIGKILLed worker, runtime runs"),
+                      ("detect_hang_s", "detect - fault of a SIGSTOPped worker, runtime runs"),
+                      ("reform_s", "survivors re-form the group, runtime runs"),
+                      ("spare_takeover_s", "hot spare joins and takes over, runtime runs"),
+                      ("restart_s", "checkpoint_restart relaunch and rendezvous, runtime runs")):
+        if rec[name]:
+            primitives[name] = entry(rec[name], "s", how=how)
+    missing = [p for p in PRIMITIVES if p not in primitives]
+    return {
+        "format": "keel-calibration",
+        "format_version": 1,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "versions": versions(),
+        "reference": {"scenario": base.run.name, "source": str(base.source), "training_workers": world,
+                      "slots": base.slot_count, "model": base.to_dict()["model"],
+                      "micro_batch": base.workload.micro_batch, "quick": quick,
+                      "repetitions": reps, "runtime_runs": run_reps, "runtime_steps": run_steps},
+        "duration_s": round(time.perf_counter() - started, 2),
+        "missing": missing,
+        "primitives": primitives,
+    }
+
+
+def write(calibration: Mapping[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(calibration, indent=1, sort_keys=True, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def table(calibration: Mapping[str, Any]) -> str:
+    lines = [f"calibration on {calibration['machine']['hostname']} ({calibration['machine']['cpu_count']} CPUs, "
+             f"torch {calibration['versions']['torch']}), {calibration['duration_s']} s"]
+    for name in PRIMITIVES:
+        e = calibration["primitives"].get(name)
+        if e is None:
+            lines.append(f"  {name:<24} (not measured)")
+            continue
+        lines.append(f"  {name:<24} {e['median']:>12.6g} {e['unit']:<5} range [{e['spread'][0]:.4g}, "
+                     f"{e['spread'][1]:.4g}]  n={e['n']}")
+    return "\n".join(lines)

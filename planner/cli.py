@@ -1,0 +1,89 @@
+"""The planner's subcommands: `keel calibrate`, `keel validate`, `keel plan` (wired in keel/cli.py).
+
+`--json` prints one JSON object on stdout and nothing else there; progress and notes go to
+stderr. Bad input raises `InputError` (exit 2), a failed run `RunFailed` (exit 1).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from keel.errors import InputError
+
+QUICK_ENV = "KEEL_CALIBRATE_QUICK"  # "1": fewer repetitions and shorter runs (tests)
+
+
+def _print_json(obj: Any) -> None:
+    from keel.cli import print_json
+    print_json(obj)
+
+
+def _positive(value: int, flag: str) -> int:
+    if value < 1:
+        raise InputError(f"{flag}: expected a positive integer, got {value}")
+    return value
+
+
+def calibrate(args: Any) -> int:
+    from planner import calibrate as C
+    quick = os.environ.get(QUICK_ENV, "") not in ("", "0")
+    cal = C.calibrate(quick=quick, progress=True)
+    path = C.write(cal, args.out)
+    if args.json:
+        _print_json(cal)
+    else:
+        print(C.table(cal))
+        print(f"written to {path}")
+    return 0
+
+
+def validate(args: Any) -> int:
+    from planner import validate as V
+    scenario = args.loaded
+    out = Path(args.out or f"runs/validate-{scenario.run.name}")
+    comparison = V.validate(scenario, out_dir=out, calibration=args.calibration, progress=True)
+    if args.json:
+        _print_json(comparison)
+    else:
+        print(V.table(comparison))
+        print(f"written to {out / 'comparison.json'}")
+    return 0 if comparison["pass"]["all"] else 1
+
+
+def plan(args: Any) -> int:
+    from planner import search
+    scenario = args.loaded
+    trials = _positive(args.trials, "--trials")
+    replicas = _positive(args.replicas, "--replicas")
+    if args.validate:
+        from planner.validate import LOCAL_MAX_NODES
+        if scenario.total_nodes > LOCAL_MAX_NODES:
+            raise InputError(f"{scenario.source}: --validate runs the policies on the runtime here; expected a "
+                             f"local scenario of at most {LOCAL_MAX_NODES} nodes (such as scenarios/local-8.toml), "
+                             f"got {scenario.total_nodes}")
+    result = search.run_plan(scenario, trials=trials, replicas=replicas, ray_address=args.ray, progress=True)
+    out = Path(args.out) if args.out else None
+    if args.validate:
+        from planner.validate import check_plan
+        result["validation"] = check_plan(scenario, result, (out or Path(f"runs/plan-{scenario.run.name}")) / "validate")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_text(json.dumps(result, indent=1, sort_keys=True, allow_nan=False) + "\n")
+    if args.json:
+        _print_json(result)
+    else:
+        print(search.table(result))
+        if args.validate:
+            v = result["validation"]
+            print(f"runtime check: recommended goodput {v['recommended']['observed_goodput']:.3f} "
+                  f"(predicted {v['recommended']['predicted_goodput']:.3f}), baseline "
+                  f"{v['baseline']['observed_goodput']:.3f} (predicted {v['baseline']['predicted_goodput']:.3f}); "
+                  f"ordering {'matches' if v['ordering_matches'] else 'DOES NOT match'}")
+        if out is not None:
+            print(f"written to {out / 'plan.json'}")
+    if args.validate and not result["validation"]["ordering_matches"]:
+        return 1
+    return 0

@@ -1,0 +1,128 @@
+"""Where twin replicas run: in this process, in local worker processes (the default), or as
+Ray tasks on a Ray cluster (`--ray ADDRESS`, optional extra `ray`).
+
+A job is (scenario, seed, calibration); its result is the small part of the twin's summary
+the planner scores on, so no event log travels back.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from keel.errors import InputError
+
+Job = tuple[Any, int, Mapping[str, Any] | None]
+
+SUMMARY_KEYS = ("goodput", "wall_s", "steps", "step_time_s", "restarts")
+
+
+def twin_summary(job: Job) -> dict[str, Any]:
+    """One twin replica: the scoring part of its summary, plus per fault downtime and cost."""
+    import twin
+    scenario, seed, calibration = job
+    summary = twin.simulate(scenario, seed=seed, calibration=calibration).summary
+    out = {k: summary.get(k) for k in SUMMARY_KEYS}
+    out["seed"] = seed
+    out["faults"] = [{k: f.get(k) for k in ("fault_id", "class", "target", "action", "at_step",
+                                            "downtime_s", "cost_s", "lost_steps")}
+                     for f in summary.get("faults", ())]
+    return out
+
+
+class SerialRunner:
+    """Runs every job in this process."""
+
+    def __init__(self, fn: Callable[[Job], dict] = twin_summary):
+        self.fn = fn
+
+    def map(self, jobs: Sequence[Job]) -> list[dict]:
+        return [self.fn(j) for j in jobs]
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "SerialRunner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class LocalRunner(SerialRunner):
+    """Runs jobs in a pool of local processes (one per core unless told otherwise)."""
+
+    def __init__(self, processes: int | None = None, fn: Callable[[Job], dict] = twin_summary):
+        super().__init__(fn)
+        self.processes = processes or os.cpu_count() or 1
+        self._pool: ProcessPoolExecutor | None = None
+
+    def map(self, jobs: Sequence[Job]) -> list[dict]:
+        if self.processes <= 1 or len(jobs) <= 1:
+            return super().map(jobs)
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=self.processes)
+        return list(self._pool.map(self.fn, jobs))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+class RayRunner(SerialRunner):
+    """Runs jobs as Ray tasks. `address` is a Ray cluster address (`ray://host:10001`,
+    `host:6379`), or `auto`, or `local` for a Ray instance started here."""
+
+    def __init__(self, address: str, fn: Callable[[Job], dict] = twin_summary):
+        super().__init__(fn)
+        try:
+            import ray
+        except ImportError:
+            raise InputError("--ray: Ray is not installed; install keel's optional extra "
+                             "(pip install 'keel[ray]')") from None
+        self._ray = ray
+        self._started = False
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"log_to_driver": False, "include_dashboard": False}
+            if address != "local":
+                kwargs["address"] = address
+            try:
+                ray.init(**kwargs)
+            except (ConnectionError, ValueError, RuntimeError) as e:
+                raise InputError(f"--ray {address}: cannot connect to a Ray cluster there ({e})") from None
+            self._started = True
+        self._task = ray.remote(fn)
+
+    def map(self, jobs: Sequence[Job]) -> list[dict]:
+        if not jobs:
+            return []
+        return self._ray.get([self._task.remote(j) for j in jobs])
+
+    def close(self) -> None:
+        if self._started:
+            self._ray.shutdown()
+            self._started = False
+
+
+def make_runner(ray_address: str | None = None, processes: int | None = None,
+                fn: Callable[[Job], dict] = twin_summary) -> SerialRunner:
+    if ray_address:
+        return RayRunner(ray_address, fn)
+    return LocalRunner(processes, fn)
+
+
+def seeds_for(base_seed: int, replicas: int) -> list[int]:
+    """The common random numbers: every candidate is scored on these same seeds."""
+    return [int(base_seed) + i for i in range(replicas)]
+
+
+def chunks(items: Iterable[Any], size: int) -> Iterable[list[Any]]:
+    batch: list[Any] = []
+    for x in items:
+        batch.append(x)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

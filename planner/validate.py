@@ -1,0 +1,265 @@
+"""`keel validate`: the twin's prediction against the runtime's observation, on one schedule.
+
+The runtime runs the scenario `validate.repetitions` times. The twin replays the same fault
+schedule (its stochastic fault rates switched off, so only `faults.schedule` strikes),
+parameterised by a calibration measured separately (`keel calibrate`), in `replicas` seeded
+replicas: the seeds vary only the twin's compute and link jitter. The tolerances come from the
+scenario's `[validate]` table, fixed before anything runs. Nothing is fitted to the runs
+being judged.
+
+Per fault: predicted = the twin's mean over replicas, with the 2.5-97.5 % range of the
+replicas as `*_ci95`; observed = the median over the runtime's repetitions, with every
+repetition's value. Relative error = |predicted - observed| / observed.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from keel import scenario as S
+from keel.errors import InputError, RunFailed
+from planner import scenarios as PS
+
+
+def rel_err(predicted: float, observed: float) -> float:
+    if observed == 0:
+        return abs(predicted - observed)
+    return abs(predicted - observed) / abs(observed)
+
+
+def interval(xs: Sequence[float]) -> list[float]:
+    """The 2.5 % and 97.5 % points of the replicas (linear interpolation)."""
+    ys = sorted(xs)
+    if len(ys) == 1:
+        return [ys[0], ys[0]]
+
+    def q(p: float) -> float:
+        k = p * (len(ys) - 1)
+        i = int(k)
+        return ys[i] if i + 1 >= len(ys) else ys[i] + (ys[i + 1] - ys[i]) * (k - i)
+    return [q(0.025), q(0.975)]
+
+
+# ----------------------------------------------------------------------------- calibration
+
+def resolve_calibration(path: str | None, out_dir: Path, progress: bool,
+                        measure: Callable[..., dict] | None = None) -> tuple[dict, str, str]:
+    """(calibration, its path, how it was found): the file given; else `calibration.json` in
+    the output directory or the working directory; else measured now into the output
+    directory."""
+    from twin.params import load_calibration
+    if path:
+        return load_calibration(path), str(path), "given"
+    for candidate in (out_dir / "calibration.json", Path("calibration.json")):
+        if candidate.exists():
+            return load_calibration(candidate), str(candidate), "existing"
+    from planner import calibrate as C
+    target = out_dir / "calibration.json"
+    if progress:
+        print(f"validate: no calibration given or found; measuring one into {target}", file=sys.stderr)
+    cal = (measure or C.calibrate)(progress=progress)
+    C.write(cal, target)
+    return cal, str(target), "measured"
+
+
+# ----------------------------------------------------------------------------- the twin side
+
+def twin_prediction(scenario: S.Scenario, calibration: Mapping[str, Any], replicas: int,
+                    out_dir: Path, processes: int | None = None) -> dict[str, Any]:
+    """The seeded reference run (written to out_dir/twin) and `replicas` jittered replicas."""
+    import twin
+    from keel.events import write_events
+    from planner.replicas import LocalRunner, seeds_for
+    replay = PS.schedule_only(scenario)
+    result = twin.simulate(replay, seed=scenario.run.seed, calibration=dict(calibration))
+    twin_dir = out_dir / "twin"
+    twin_dir.mkdir(parents=True, exist_ok=True)
+    events_path = twin_dir / "events.jsonl"
+    if events_path.exists():
+        events_path.unlink()
+    write_events(events_path, _as_events(result.events))
+    (twin_dir / "summary.json").write_text(json.dumps(result.summary, indent=1, sort_keys=True, default=str) + "\n")
+    seeds = seeds_for(scenario.run.seed, replicas)
+    with LocalRunner(processes) as runner:
+        reps = runner.map([(replay, s, dict(calibration)) for s in seeds])
+    return {"reference": result.summary, "replicas": reps, "seeds": seeds}
+
+
+def _as_events(events: Sequence[Any]) -> list[Any]:
+    from keel.events import Event, validate_event
+    return [e if isinstance(e, Event) else validate_event(e) for e in events]
+
+
+# ----------------------------------------------------------------------------- the runtime side
+
+def runtime_observation(scenario: S.Scenario, repetitions: int, out_dir: Path,
+                        progress: bool) -> list[dict[str, Any]]:
+    from runtime.api import run_scenario
+    summaries = []
+    for k in range(repetitions):
+        rep_dir = out_dir / "runtime" / f"rep-{k}"
+        if progress:
+            print(f"validate: runtime repetition {k + 1}/{repetitions} -> {rep_dir}", file=sys.stderr)
+        summaries.append(run_scenario(scenario, rep_dir, progress=progress))
+    return summaries
+
+
+# ----------------------------------------------------------------------------- comparing
+
+def _match(faults: Sequence[Mapping[str, Any]], ref: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    same = [f for f in faults if f.get("fault_id") == ref.get("fault_id")
+            and f.get("class") == ref.get("class")]
+    if same:
+        return same[0]
+    same = [f for f in faults if f.get("class") == ref.get("class") and f.get("target") == ref.get("target")]
+    return same[0] if same else None
+
+
+def compare(scenario: S.Scenario, predicted: Mapping[str, Any], observed: Sequence[Mapping[str, Any]],
+            calibration_path: str, calibration_how: str) -> dict[str, Any]:
+    tol = scenario.validate
+    reps = predicted["replicas"]
+    ref = predicted["reference"]
+    faults = []
+    for f in ref.get("faults", []):
+        pred_d = [m["downtime_s"] for m in (_match(r["faults"], f) for r in reps) if m]
+        pred_c = [m["cost_s"] for m in (_match(r["faults"], f) for r in reps) if m]
+        obs = [m for m in (_match(o.get("faults", []), f) for o in observed) if m]
+        obs_d = [m["downtime_s"] for m in obs]
+        obs_c = [m["cost_s"] for m in obs]
+        if not obs or not pred_d:
+            raise RunFailed(f"fault {f.get('fault_id')} ({f.get('class')} on {f.get('target')}) was predicted "
+                            f"but {'not observed' if not obs else 'missing in the replicas'}")
+        p = {"downtime_s": statistics.fmean(pred_d), "cost_s": statistics.fmean(pred_c),
+             "downtime_ci95": interval(pred_d), "cost_ci95": interval(pred_c)}
+        o = {"downtime_s": statistics.median(obs_d), "cost_s": statistics.median(obs_c),
+             "downtime_s_reps": obs_d, "cost_s_reps": obs_c,
+             "actions": sorted({m.get("action") or "" for m in obs})}
+        faults.append({"fault_id": f.get("fault_id"), "class": f.get("class"), "target": f.get("target"),
+                       "action": f.get("action"), "at_step": f.get("at_step"),
+                       "predicted": p, "observed": o,
+                       "downtime_rel_err": rel_err(p["downtime_s"], o["downtime_s"]),
+                       "cost_rel_err": rel_err(p["cost_s"], o["cost_s"])})
+    observed_faults = {(m.get("class"), m.get("target")) for o in observed for m in o.get("faults", [])}
+    unpredicted = sorted(observed_faults - {(f["class"], f["target"]) for f in faults}, key=str)
+    wall_pred = [r["wall_s"] for r in reps]
+    wall_obs = [o["wall_s"] for o in observed]
+    good_pred = [r["goodput"] for r in reps]
+    good_obs = [o["goodput"] for o in observed]
+    wall = {"predicted": statistics.fmean(wall_pred), "observed": statistics.median(wall_obs),
+            "observed_reps": wall_obs, "predicted_ci95": interval(wall_pred)}
+    wall["rel_err"] = rel_err(wall["predicted"], wall["observed"])
+    goodput = {"predicted": statistics.fmean(good_pred), "observed": statistics.median(good_obs),
+               "observed_reps": good_obs, "predicted_ci95": interval(good_pred)}
+    goodput["rel_err"] = rel_err(goodput["predicted"], goodput["observed"])
+    step = {"predicted": statistics.fmean(r["step_time_s"] for r in reps),
+            "observed": statistics.median(o["step_time_s"] for o in observed)}
+    step["rel_err"] = rel_err(step["predicted"], step["observed"])
+    median_err = statistics.median(f["downtime_rel_err"] for f in faults) if faults else 0.0
+    by_class: dict[str, list[float]] = {}
+    for f in faults:
+        by_class.setdefault(f["class"], []).append(f["downtime_rel_err"])
+    ok_down = median_err <= tol.downtime_rel_tol
+    ok_wall = wall["rel_err"] <= tol.wall_rel_tol
+    return {
+        "scenario": scenario.run.name,
+        "config_hash": scenario.config_hash(),
+        "calibration": calibration_path,
+        "calibration_source": calibration_how,
+        "repetitions": len(observed),
+        "twin_replicas": len(reps),
+        "twin_seeds": predicted["seeds"],
+        "tolerances": {"downtime_rel_tol": tol.downtime_rel_tol, "wall_rel_tol": tol.wall_rel_tol},
+        "faults": faults,
+        "unpredicted_faults": [list(x) for x in unpredicted],
+        "wall_s": wall,
+        "goodput": goodput,
+        "step_time_s": step,
+        "restarts": {"predicted": statistics.fmean(r.get("restarts") or 0 for r in reps),
+                     "observed": [o.get("restarts") for o in observed]},
+        "downtime_median_rel_err": median_err,
+        "downtime_rel_err_by_class": {k: statistics.median(v) for k, v in by_class.items()},
+        "pass": {"downtime": ok_down, "wall": ok_wall, "all": ok_down and ok_wall},
+    }
+
+
+def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | None = None,
+             repetitions: int | None = None, replicas: int = 16, progress: bool = True,
+             processes: int | None = None) -> dict[str, Any]:
+    """Run, replay, compare; writes out_dir/comparison.json and returns it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if not scenario.faults.schedule:
+        raise InputError(f"{scenario.source}: key 'faults.schedule': validation replays a fault schedule; "
+                         "expected at least one [[faults.schedule]] entry")
+    cal, cal_path, how = resolve_calibration(calibration, out, progress)
+    if progress:
+        print(f"validate: calibration {cal_path} ({how})", file=sys.stderr)
+    observed = runtime_observation(scenario, repetitions or scenario.validate.repetitions, out, progress)
+    predicted = twin_prediction(scenario, cal, replicas, out, processes)
+    comparison = compare(scenario, predicted, observed, cal_path, how)
+    (out / "comparison.json").write_text(json.dumps(comparison, indent=1, sort_keys=True, allow_nan=False) + "\n")
+    return comparison
+
+
+# ----------------------------------------------------------------------------- printing
+
+def table(c: Mapping[str, Any]) -> str:
+    tol = c["tolerances"]
+    lines = [f"validate {c['scenario']}: {c['repetitions']} runtime repetitions vs {c['twin_replicas']} twin "
+             f"replicas; calibration {c['calibration']} ({c['calibration_source']})",
+             f"{'fault':<5} {'class':<21} {'target':<14} {'action':<24} {'downtime pred':>13} {'obs':>7} "
+             f"{'err':>6}   {'cost pred':>9} {'obs':>7} {'err':>6}"]
+    for f in c["faults"]:
+        p, o = f["predicted"], f["observed"]
+        lines.append(f"{f['fault_id']!s:<5} {f['class']:<21} {f['target']!s:<14} {f['action']!s:<24} "
+                     f"{p['downtime_s']:>12.3f}s {o['downtime_s']:>6.3f}s {f['downtime_rel_err']:>6.1%}   "
+                     f"{p['cost_s']:>8.3f}s {o['cost_s']:>6.3f}s {f['cost_rel_err']:>6.1%}")
+    w, g = c["wall_s"], c["goodput"]
+    ok = lambda b: "pass" if b else "FAIL"  # noqa: E731
+    lines += [
+        f"wall time: predicted {w['predicted']:.2f} s [{w['predicted_ci95'][0]:.2f}, {w['predicted_ci95'][1]:.2f}], "
+        f"observed {w['observed']:.2f} s (reps {', '.join(f'{x:.2f}' for x in w['observed_reps'])}), "
+        f"error {w['rel_err']:.1%} (tolerance {tol['wall_rel_tol']:.0%}): {ok(c['pass']['wall'])}",
+        f"goodput: predicted {g['predicted']:.3f}, observed {g['observed']:.3f}, error {g['rel_err']:.1%}",
+        f"per-fault downtime: median error {c['downtime_median_rel_err']:.1%} "
+        f"(tolerance {tol['downtime_rel_tol']:.0%}): {ok(c['pass']['downtime'])}",
+        f"result: {'PASS' if c['pass']['all'] else 'FAIL'}",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- plan --validate
+
+LOCAL_MAX_NODES = 16
+
+
+def check_plan(scenario: S.Scenario, plan: Mapping[str, Any], out_dir: str | Path,
+               progress: bool = True) -> dict[str, Any]:
+    """Run the recommended policy and the baseline on the runtime with the scenario's fault
+    schedule (stochastic rates off, as the runtime injects only the schedule) and check that
+    the observed goodput ordering matches the predicted one."""
+    from runtime.api import run_scenario
+    if scenario.total_nodes > LOCAL_MAX_NODES:
+        raise InputError(f"{scenario.source}: plan --validate runs both policies on the runtime here; "
+                         f"expected a local scenario of at most {LOCAL_MAX_NODES} nodes (such as "
+                         f"scenarios/local-8.toml), got {scenario.total_nodes} nodes")
+    out = Path(out_dir)
+    runs = {}
+    for name in ("recommended", "baseline"):
+        policy = {k: v for k, v in plan[name].items() if "." in k}
+        sc = PS.with_policy(scenario, policy)
+        if progress:
+            print(f"plan --validate: running the {name} policy on the runtime -> {out / name}", file=sys.stderr)
+        summary = run_scenario(sc, out / name, progress=progress)
+        runs[name] = {"policy": policy, "predicted_goodput": plan[name]["goodput"],
+                      "observed_goodput": summary["goodput"], "observed_wall_s": summary["wall_s"],
+                      "restarts": summary.get("restarts"), "out": str(out / name)}
+    pred = runs["recommended"]["predicted_goodput"] - runs["baseline"]["predicted_goodput"]
+    obs = runs["recommended"]["observed_goodput"] - runs["baseline"]["observed_goodput"]
+    same = (pred > 0) == (obs > 0) or pred == obs == 0
+    return {**runs, "predicted_order": "recommended" if pred > 0 else "baseline",
+            "observed_order": "recommended" if obs > 0 else "baseline", "ordering_matches": same}
