@@ -1,0 +1,841 @@
+"""The SimPy model: one trainer process over an aggregated step model, plus event-level processes
+for faults, detection, repairs and background checkpoint writes.
+
+Cost grows with events, not with nodes x steps: the trainer draws the times of a whole
+*segment* of steps at once (`StepShape.draw`, one draw per node group and step) and waits for
+the segment in one SimPy timeout. Any fault interrupts it; the steps committed by then are found
+by a search in the segment's cumulative times. Segments end at checkpoints, scheduled faults,
+straggler-detection points, the end of the run, and every `MAX_SEGMENT_STEPS`.
+
+Semantics (docs/design.md for step numbering and fault ids):
+- A node fault (`hardware_fault`, `partial_cluster_loss`) stalls the whole job: the in-flight
+  step is lost. Detection takes `detect_kill_s` (hardware) or `detect_hang_s` (a rack that
+  vanishes), each drawn as mean + heartbeat_s x (1/2 - U): the timeout runs from the last
+  heartbeat, which came a uniform phase before the fault (the spread is capped at twice the
+  mean, so a calibrated small mean stays non-negative). A fault on an idle node (spare, or a node
+  parked by a re-slot) costs nothing and is only logged.
+- `absorb`: at detection the lost slots move (hardware: to the first hot spare, else to the
+  least-loaded survivors; rack loss: over the surviving regions in proportion to their capacity,
+  speed x GPUs); then the job pauses for reform_s + spare_takeover_s (if a spare took over) + the
+  slowest state copy (the slots' share of weights + optimizer at the routed peer bandwidth), and
+  redoes the interrupted step. With no live training node left there is no copy of the state:
+  it falls back to a restart from the last checkpoint (a `restart` event).
+- `network_jitter`: a spike adds `Topology.spike_delay_s` to every step while it lasts. Under
+  absorb, if (healthy + delay) / healthy > straggler_factor, the straggler is detected after
+  straggler_window steps that ran slow; its slots move (to a spare, else to the least-loaded
+  nodes; a region's to the other regions) if that makes steps faster, and move back when the
+  spike ends. The episode always ends with a `recover_end` when the spike is over.
+- `data_shard_skew`: the step in flight yields NaN at its end and is not committed. absorb
+  (with policy.quarantine) quarantines the shard and redoes the step; otherwise the job rolls
+  back to the last checkpoint (a restart). A drawn NaN on a quarantined shard is skipped.
+- `checkpoint_restart`: any node fault or NaN stops the job: a `restart` at detection, the
+  dead nodes replaced by hot spares (else by a new node, + replace_node_s), a pause of
+  restart_s + checkpoint load (per-node share / read bandwidth), and the steps since the last
+  complete checkpoint recomputed. Faults strike during the restart (it starts over, and counts
+  again) and during checkpoints (an unfinished checkpoint is lost). Latency spikes are endured.
+- Failed nodes come back after repair_hours as spares; under absorb a rejoining spare takes
+  slots from overloaded nodes (a `reslot` with no fault) when the cluster is below its
+  healthy layout. Replaced nodes (checkpoint_restart) do not come back twice.
+- Checkpoints at every multiple of interval_steps below run.steps, bytes spread over the
+  training nodes: `sync` pauses for the write; `async` pauses for the snapshot and writes in the
+  background (`checkpoint_end` when the write is done; a node fault aborts it). The next
+  checkpoint waits for the previous write.
+- Drawn faults: each class is a Poisson process in wall time with its own seeded stream, so
+  two policies with one seed see the same arrival times. Hardware faults strike a uniformly
+  drawn node at rate nodes / mtbf (thinned: a down node is skipped); jitter a uniformly drawn
+  node (skipped when it holds no slots); rack loss a region drawn by node count and nodes
+  drawn among its live ones; NaN a uniformly drawn shard. Scheduled faults strike half-way
+  through step at_step + 1; a scheduled rack loss takes the region's first live nodes.
+- Step events: every segment's last commit, the last commit before each fault and the first
+  commit after any other event, so `keel.metrics.summarize` sees every episode's edges.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Generator
+
+import numpy as np
+import simpy
+
+from keel.events import Event
+from keel.scenario import ABSORB_ACTION, RESTART_ACTION, Scenario
+from twin.params import TwinParams
+from twin.steps import StepShape
+from twin.topology import Topology
+
+MAX_SEGMENT_STEPS = 1000
+HOUR = 3600.0
+DAY = 86400.0
+
+
+# ----------------------------------------------------------------------------- state
+
+@dataclass(slots=True)
+class Node:
+    name: str
+    region: str
+    speed: float
+    gpus: int
+    index: int
+    up: bool = True
+    role: str = "train"        # train | spare | parked | down
+    slots: int = 0
+    incarnation: int = 0
+
+
+@dataclass(slots=True)
+class Spike:
+    target: str
+    spike_s: float
+    active: bool = True
+    moves: list[tuple[str, str, int]] = field(default_factory=list)  # (from, to, slots)
+    spare_receivers: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    """Something the trainer must react to. `interrupts_run`: it changes the steps in flight;
+    `aborts_pause`: it breaks a recovery, restart or checkpoint pause too."""
+    kind: str               # loss | detected | spike_start | spike_end | nan | rejoin
+    fault_id: int | None = None
+    interrupts_run: bool = False
+    aborts_pause: bool = False
+
+
+@dataclass(slots=True)
+class Segment:
+    start: float
+    first_step: int
+    cum: np.ndarray
+    nan: bool = False
+
+    def committed_by(self, t: float) -> int:
+        if self.nan:
+            return 0
+        return int(np.searchsorted(self.cum, t - self.start, side="right"))
+
+    def first_after(self, t: float) -> int:
+        return int(np.searchsorted(self.cum, t - self.start, side="right"))
+
+    def commit_time(self, index: int) -> float:
+        return self.start + float(self.cum[index])
+
+
+@dataclass(frozen=True, slots=True)
+class FaultInfo:
+    fault: str
+    target: str
+    action: str | None
+    nodes: tuple[str, ...] = ()
+    shard: str | None = None
+
+
+# ----------------------------------------------------------------------------- the simulation
+
+class Simulation:
+    def __init__(self, scenario: Scenario, params: TwinParams, seed: int, topology: Topology | None = None):
+        self.scenario = scenario
+        self.params = params
+        self.seed = seed
+        self.topology = topology or Topology(scenario)
+        self.absorb = scenario.policy.kind == "absorb"
+        streams = np.random.SeedSequence(seed).spawn(6)
+        (self.rng_steps, self.rng_detect, self.rng_hardware, self.rng_jitter,
+         self.rng_rack, self.rng_skew) = (np.random.Generator(np.random.PCG64(s)) for s in streams)
+        self.env = simpy.Environment()
+        self.events: list[Event] = []
+
+        self._shape_cache: tuple[int, StepShape] | None = None
+        self.layout_version = 0
+        self.nodes: dict[str, Node] = {}
+        for r in scenario.regions:
+            for i in range(r.nodes):
+                name = f"{r.name}/{i}"
+                self.nodes[name] = Node(name, r.name, r.speed, r.gpus_per_node, len(self.nodes))
+        self.order = list(self.nodes.values())
+        for node in self.order[scenario.training_nodes:]:
+            node.role = "spare"
+        self.slot_count = scenario.slot_count
+        self._place(self.slot_count, [n for n in self.order if n.role == "train"])
+        self.healthy_max_load = max(n.slots / n.speed for n in self.order)
+        self.state_bytes = scenario.checkpoint.weights_bytes + scenario.checkpoint.optimizer_bytes
+        self.reference_reduction = self.topology.reduction(self._active_per_region())
+        self.healthy_step_s = self._shape(with_spikes=False).expected_s()
+
+        self.committed = 0
+        self.segment: Segment | None = None
+        self.carry_s: float | None = None
+        self.last_step_event_t = -1.0
+        self.pending_first_since: float | None = None
+        self.queue: deque[Cause] = deque()
+        self.trainer_state = "busy"
+        self.interrupt_sent = False
+        self.fault_seq = 0
+        self.info: dict[int, FaultInfo] = {}
+        self.undetected: set[int] = set()
+        self.awaiting_recovery: list[int] = []
+        self.recovery_s = 0.0
+        self.restart_for: list[int] = []
+        self.nan_pending: list[int] = []
+        self.spikes: dict[int, Spike] = {}
+        self.watches: dict[int, int] = {}
+        self.spike_ends: list[int] = []
+        self.rejoined = False
+        self.quarantined: set[str] = set()
+        self.ckpt_step = 0
+        self.ckpt_attempted = 0
+        self.writer: simpy.Process | None = None
+        self.schedule_fired: set[int] = set()
+        self.schedule_at: dict[int, list[int]] = {}
+        for i, entry in enumerate(scenario.faults.schedule):
+            self.schedule_at.setdefault(entry.at_step, []).append(i)
+        self.trainer = self.env.process(self._trainer())
+
+    # ------------------------------------------------------------------ running
+    def run(self) -> list[Event]:
+        faults = self.scenario.faults
+        if faults.hardware_fault.mtbf_node_hours > 0:
+            self.env.process(self._hardware_arrivals())
+        if faults.network_jitter.per_day > 0:
+            self.env.process(self._jitter_arrivals())
+        if faults.partial_cluster_loss.per_day > 0:
+            self.env.process(self._rack_arrivals())
+        if faults.data_shard_skew.per_day > 0:
+            self.env.process(self._skew_arrivals())
+        self.env.run(until=self.trainer)
+        return self.events
+
+    # ------------------------------------------------------------------ the event log
+    def committed_now(self) -> int:
+        seg = self.segment
+        return self.committed + (seg.committed_by(self.env.now) if seg else 0)
+
+    def _emit_step(self, seg: Segment, index: int) -> None:
+        t = seg.commit_time(index)
+        if t <= self.last_step_event_t:
+            return
+        self.last_step_event_t = t
+        self.events.append(Event(round(t, 6), seg.first_step + index + 1, "step"))
+
+    def _sync(self, last_commit: bool = False) -> None:
+        """Emit the step events an event at `now` needs before it: the first commit after the
+        previous event, and (before a fault) the last commit."""
+        seg = self.segment
+        if seg is None:
+            return
+        now = self.env.now
+        done = seg.committed_by(now)
+        if self.pending_first_since is not None:
+            first = seg.first_after(self.pending_first_since)
+            if first < done:
+                self._emit_step(seg, first)
+                self.pending_first_since = None
+        if last_commit and done > 0:
+            self._emit_step(seg, done - 1)
+
+    def emit(self, kind: str, fault: str | None = None, target: str | None = None,
+             action: str | None = None, **detail: Any) -> None:
+        self._sync(last_commit=kind == "fault")
+        now = self.env.now
+        self.events.append(Event(round(now, 6), self.committed_now(), kind, fault, target, action, detail))
+        self.pending_first_since = now
+
+    def emit_episode(self, kind: str, fault_id: int, **detail: Any) -> None:
+        info = self.info[fault_id]
+        self.emit(kind, info.fault, info.target, info.action, fault_id=fault_id, **detail)
+
+    # ------------------------------------------------------------------ the cluster
+    def _active(self) -> list[Node]:
+        return [n for n in self.order if n.up and n.role == "train"]
+
+    def _active_per_region(self, nodes: list[Node] | None = None) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for n in nodes if nodes is not None else self._active():
+            out[n.region] = out.get(n.region, 0) + 1
+        return out
+
+    def _changed(self) -> None:
+        self.layout_version += 1
+
+    def _place(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
+        """Give `count` slots to `candidates`, each to the node that would finish soonest."""
+        got: Counter[str] = Counter()
+        for _ in range(count):
+            best = min(candidates, key=lambda n: ((n.slots + 1) / n.speed, n.index))
+            best.slots += 1
+            got[best.name] += 1
+        self._changed()
+        return sorted(got.items(), key=lambda kv: self.nodes[kv[0]].index)
+
+    def _spread_over_regions(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
+        """Largest-remainder apportionment of `count` slots over the candidates' regions by
+        capacity (speed x GPUs), then the fastest finish inside each region."""
+        by_region: dict[str, list[Node]] = {}
+        for n in candidates:
+            by_region.setdefault(n.region, []).append(n)
+        capacity = {r: sum(n.speed * n.gpus for n in ns) for r, ns in by_region.items()}
+        total = sum(capacity.values())
+        quotas = {r: count * c / total for r, c in capacity.items()}
+        shares = {r: int(math.floor(q)) for r, q in quotas.items()}
+        rest = count - sum(shares.values())
+        for r in sorted(quotas, key=lambda r: (-(quotas[r] - shares[r]), self.topology.region_names.index(r)))[:rest]:
+            shares[r] += 1
+        placed: list[tuple[str, int]] = []
+        for r, k in shares.items():
+            if k:
+                placed += self._place(k, by_region[r])
+        return placed
+
+    def _shape(self, with_spikes: bool = True, nodes: list[Node] | None = None,
+               slots: dict[str, int] | None = None) -> StepShape:
+        nodes = nodes if nodes is not None else self._active()
+        p = self.params
+        groups: Counter[float] = Counter()
+        for n in nodes:
+            k = slots[n.name] if slots is not None else n.slots
+            if k > 0:
+                groups[k * p.slot_compute_s / n.speed] += 1
+        per_region = self._active_per_region([n for n in nodes if (slots[n.name] if slots is not None else n.slots) > 0])
+        red = self.topology.reduction(per_region)
+        ref = self.reference_reduction
+        latency = red.latency_s * (p.reduce_latency_s / ref.latency_s if ref.latency_s > 0 else 1.0)
+        per_byte = red.s_per_byte * ((1.0 / (ref.s_per_byte * 1e9)) / p.reduce_gbyte_s if ref.s_per_byte > 0 else 1.0)
+        spike = 0.0
+        if with_spikes:
+            for sp in self.spikes.values():
+                if sp.active and not sp.moves:
+                    spike = max(spike, self.topology.spike_delay_s(sp.target, sp.spike_s, per_region))
+        fixed = latency + self.scenario.workload.gradient_bytes * per_byte + p.step_overhead_s + spike
+        return StepShape(tuple(sorted((n, base) for base, n in groups.items())), p.compute_jitter,
+                         fixed, latency, red.jitter_s)
+
+    def _current_shape(self) -> StepShape:
+        if self._shape_cache is None or self._shape_cache[0] != self.layout_version:
+            self._shape_cache = (self.layout_version, self._shape())
+        return self._shape_cache[1]
+
+    def _transfer_s(self, receivers: list[tuple[str, int]]) -> float:
+        """Slowest state copy of the slots' share of the state to each receiver."""
+        if not receivers:
+            return 0.0
+        live = [n.name for n in self.order if n.up and n.role in ("train", "parked")]
+        scale = self.params.state_transfer_gbyte_s / self.topology.reference_transfer_gbyte_s()
+        per_slot = self.state_bytes / self.slot_count
+        return max(k * per_slot / (self.topology.transfer_gbyte_s(name, live) * scale * 1e9)
+                   for name, k in receivers)
+
+    def _detect_delay(self, mean: float) -> float:
+        spread = min(self.params.heartbeat_s, 2 * mean)
+        return max(0.0, mean + spread * (0.5 - float(self.rng_detect.random())))
+
+    # ------------------------------------------------------------------ talking to the trainer
+    def notify(self, cause: Cause) -> None:
+        self.queue.append(cause)
+        if self.interrupt_sent or not self.trainer.is_alive:
+            return
+        state = self.trainer_state
+        if (state == "stalled" or (state == "running" and cause.interrupts_run)
+                or (state == "paused" and cause.aborts_pause)):
+            self.interrupt_sent = True
+            self.trainer.interrupt(cause.kind)
+
+    def _wait(self, duration: float | simpy.Event | None, state: str) -> Generator[Any, Any, bool]:
+        self.trainer_state = state
+        try:
+            if duration is None:
+                yield self.env.event()
+            elif isinstance(duration, simpy.Event):
+                yield duration
+            else:
+                yield self.env.timeout(max(0.0, duration))
+            done = True
+        except simpy.Interrupt:
+            self.interrupt_sent = False
+            done = False
+        self.trainer_state = "busy"
+        return done
+
+    # ------------------------------------------------------------------ faults
+    def _new_fault(self, info: FaultInfo) -> int:
+        fid = self.fault_seq
+        self.fault_seq += 1
+        self.info[fid] = info
+        return fid
+
+    def _action(self, fault: str) -> str | None:
+        if fault == "network_jitter":
+            return ABSORB_ACTION[fault] if self.absorb else None
+        if not self.absorb:
+            return RESTART_ACTION
+        if fault == "data_shard_skew" and not self.scenario.policy.quarantine:
+            return RESTART_ACTION
+        return ABSORB_ACTION[fault]
+
+    def strike_nodes(self, fault: str, target: str, names: list[str], scheduled: bool) -> None:
+        nodes = [self.nodes[n] for n in names if self.nodes[n].up]
+        if not nodes:
+            return
+        holding = [n for n in nodes if n.slots > 0]
+        fid = self._new_fault(FaultInfo(fault, target, self._action(fault), tuple(n.name for n in nodes)))
+        detail: dict[str, Any] = {"scheduled": scheduled}
+        if fault == "partial_cluster_loss":
+            detail["nodes"] = [n.name for n in nodes]
+        if not holding:
+            detail["idle"] = True
+        self.emit_episode("fault", fid, **detail)
+        repair_h = (self.scenario.faults.hardware_fault.repair_hours if fault == "hardware_fault"
+                    else self.scenario.faults.partial_cluster_loss.repair_hours)
+        for n in nodes:
+            n.up = False
+            if n.role != "train":
+                n.role = "down"
+            self.env.process(self._repair(n, n.incarnation, repair_h * HOUR))
+        self._changed()
+        if holding:
+            mean = self.params.detect_kill_s if fault == "hardware_fault" else self.params.detect_hang_s
+            self.env.process(self._detector(fid, self._detect_delay(mean)))
+            self.notify(Cause("loss", fid, interrupts_run=True, aborts_pause=True))
+
+    def strike_spike(self, target: str, spike_s: float, duration_s: float, scheduled: bool) -> None:
+        fid = self._new_fault(FaultInfo("network_jitter", target, self._action("network_jitter")))
+        self.emit_episode("fault", fid, scheduled=scheduled, spike_ms=spike_s * 1e3, duration_s=duration_s)
+        self.spikes[fid] = Spike(target, spike_s)
+        self._changed()
+        self.notify(Cause("spike_start", fid, interrupts_run=True))
+        self.env.process(self._spike_end(fid, duration_s))
+
+    def strike_shard(self, shard: str, scheduled: bool) -> None:
+        fid = self._new_fault(FaultInfo("data_shard_skew", shard, self._action("data_shard_skew"), shard=shard))
+        self.emit_episode("fault", fid, scheduled=scheduled)
+        self.notify(Cause("nan", fid, interrupts_run=True))
+
+    def _fire_scheduled(self, index: int, delay: float) -> Generator:
+        yield self.env.timeout(delay)
+        entry = self.scenario.faults.schedule[index]
+        f = self.scenario.faults
+        if entry.class_ == "hardware_fault":
+            self.strike_nodes("hardware_fault", entry.target, [entry.target], True)
+        elif entry.class_ == "partial_cluster_loss":
+            count = entry.nodes if entry.nodes is not None else f.partial_cluster_loss.nodes
+            live = [n.name for n in self.order if n.region == entry.target and n.up][:count]
+            self.strike_nodes("partial_cluster_loss", entry.target, live, True)
+        elif entry.class_ == "network_jitter":
+            spike_ms = entry.spike_ms if entry.spike_ms is not None else f.network_jitter.spike_ms
+            duration = entry.duration_s if entry.duration_s is not None else f.network_jitter.duration_s
+            self.strike_spike(entry.target, spike_ms / 1e3, duration, True)
+        elif not (self.absorb and self.scenario.policy.quarantine and entry.target in self.quarantined):
+            self.strike_shard(entry.target, True)
+
+    def _hardware_arrivals(self) -> Generator:
+        rate = len(self.order) / (self.scenario.faults.hardware_fault.mtbf_node_hours * HOUR)
+        rng = self.rng_hardware
+        while True:
+            yield self.env.timeout(rng.exponential(1.0 / rate))
+            node = self.order[int(rng.integers(len(self.order)))]
+            if node.up:
+                self.strike_nodes("hardware_fault", node.name, [node.name], False)
+
+    def _jitter_arrivals(self) -> Generator:
+        cfg = self.scenario.faults.network_jitter
+        rng = self.rng_jitter
+        while True:
+            yield self.env.timeout(rng.exponential(DAY / cfg.per_day))
+            node = self.order[int(rng.integers(len(self.order)))]
+            if node.up and node.role == "train" and node.slots > 0:
+                self.strike_spike(node.name, cfg.spike_ms / 1e3, cfg.duration_s, False)
+
+    def _rack_arrivals(self) -> Generator:
+        cfg = self.scenario.faults.partial_cluster_loss
+        rng = self.rng_rack
+        regions = self.scenario.regions
+        weights = np.array([r.nodes for r in regions], dtype=float)
+        weights /= weights.sum()
+        while True:
+            yield self.env.timeout(rng.exponential(DAY / cfg.per_day))
+            region = regions[int(rng.choice(len(regions), p=weights))].name
+            live = [n.name for n in self.order if n.region == region and n.up]
+            if not live:
+                continue
+            picked = sorted(rng.choice(len(live), size=min(cfg.nodes, len(live)), replace=False))
+            self.strike_nodes("partial_cluster_loss", region, [live[i] for i in picked], False)
+
+    def _skew_arrivals(self) -> Generator:
+        rng = self.rng_skew
+        shards = self.scenario.data.shards
+        while True:
+            yield self.env.timeout(rng.exponential(DAY / self.scenario.faults.data_shard_skew.per_day))
+            shard = f"shard/{int(rng.integers(shards))}"
+            if not (self.absorb and self.scenario.policy.quarantine and shard in self.quarantined):
+                self.strike_shard(shard, False)
+
+    def _detector(self, fid: int, delay: float) -> Generator:
+        yield self.env.timeout(delay)
+        self.emit_episode("detect", fid, after_s=round(delay, 6))
+        self.notify(Cause("detected", fid))
+
+    def _repair(self, node: Node, incarnation: int, after_s: float) -> Generator:
+        yield self.env.timeout(after_s)
+        if node.incarnation != incarnation or node.up:
+            return
+        node.up = True
+        node.role = "spare"
+        node.slots = 0
+        self._changed()
+        self.notify(Cause("rejoin"))
+
+    def _spike_end(self, fid: int, after_s: float) -> Generator:
+        yield self.env.timeout(after_s)
+        self.spikes[fid].active = False
+        self._changed()
+        self.notify(Cause("spike_end", fid, interrupts_run=True))
+
+    # ------------------------------------------------------------------ the trainer
+    def _trainer(self) -> Generator:
+        s = self.scenario
+        self.emit("run_start", step_time_s=self.healthy_step_s, nodes=len(self.order),
+                  regions=len(s.regions), slots=self.slot_count, policy=s.policy.kind, seed=self.seed)
+        while True:
+            while self.queue:
+                self._handle(self.queue.popleft())
+            if self.undetected:
+                yield from self._wait(None, "stalled")
+            elif self.restart_for:
+                yield from self._restart()
+            elif self.awaiting_recovery:
+                yield from self._recover()
+            elif self.carry_s is not None or self.nan_pending:
+                yield from self._segment(1)
+            elif self.spike_ends:
+                yield from self._end_spike(self.spike_ends.pop(0))
+            elif (due := [f for f, at in self.watches.items() if at <= self.committed]):
+                yield from self._straggler(due[0])
+            elif self.rejoined:
+                yield from self._rebalance()
+            elif self.committed >= s.run.steps:
+                break
+            elif self._checkpoint_due():
+                yield from self._checkpoint()
+            else:
+                yield from self._segment(self._steps_to_boundary())
+        self.emit("run_end", step_time_s=self.healthy_step_s, checkpoint_step=self.ckpt_step)
+
+    def _handle(self, cause: Cause) -> None:
+        fid = cause.fault_id
+        if cause.kind == "loss":
+            self.carry_s = None  # the step in flight is lost
+            self.undetected.add(fid)
+            if self.writer is not None and self.writer.is_alive:
+                self.writer.interrupt("node lost")
+        elif cause.kind == "detected":
+            self.undetected.discard(fid)
+            self._detected(fid)
+        elif cause.kind == "spike_start":
+            self._watch(fid)
+        elif cause.kind == "spike_end":
+            self.watches.pop(fid, None)
+            self.spike_ends.append(fid)
+        elif cause.kind == "nan":
+            self.nan_pending.append(fid)
+        elif cause.kind == "rejoin":
+            self.rejoined = True
+
+    def _detected(self, fid: int) -> None:
+        info = self.info[fid]
+        dead = [self.nodes[n] for n in info.nodes if not self.nodes[n].up and self.nodes[n].slots > 0]
+        if not self.absorb or not self._active():
+            self.restart_for.append(fid)
+            return
+        self.emit_episode("recover_start", fid)
+        lost = sum(n.slots for n in dead)
+        for n in dead:
+            n.slots = 0
+            n.role = "down"
+        receivers: list[tuple[str, int]] = []
+        takeover = 0.0
+        if info.fault == "hardware_fault":
+            spares = [x for x in self.order if x.up and x.role == "spare"]
+            if spares:
+                spares[0].role = "train"
+                receivers = self._place(lost, [spares[0]])
+                takeover = self.params.spare_takeover_s
+            else:
+                receivers = self._place(lost, self._active())
+        else:
+            survivors = self._active()
+            other = [n for n in survivors if n.region != info.target]
+            receivers += self._spread_over_regions(lost, other or survivors)
+        self._changed()
+        assert sum(n.slots for n in self._active()) == self.slot_count, "slots lost in re-slotting"
+        self.awaiting_recovery.append(fid)
+        self.recovery_s = max(self.recovery_s, self.params.reform_s + takeover + self._transfer_s(receivers))
+        self.emit_episode("reslot", fid, slots=lost, to=[f"{name}:{k}" for name, k in receivers])
+
+    def _recover(self) -> Generator:
+        done = yield from self._wait(self.recovery_s, "paused")
+        if done:
+            for fid in self.awaiting_recovery:
+                self.emit_episode("recover_end", fid)
+            self.awaiting_recovery.clear()
+            self.recovery_s = 0.0
+
+    def _restart(self) -> Generator:
+        fid = self.restart_for[-1]
+        lost = self.committed - self.ckpt_step
+        self.emit_episode("restart", fid, from_step=self.ckpt_step, lost_steps=lost)
+        self.committed = self.ckpt_step
+        self.ckpt_attempted = self.ckpt_step
+        self.carry_s = None
+        self.watches.clear()
+        if self.writer is not None and self.writer.is_alive:
+            self.writer.interrupt("job stopped")
+        replaced = False
+        for n in self.order:
+            if n.slots > 0 and not n.up:
+                spares = [x for x in self.order if x.up and x.role == "spare"]
+                if spares:
+                    spares[0].role = "train"
+                    spares[0].slots = n.slots
+                    n.slots = 0
+                    n.role = "down"
+                else:  # a new machine takes the dead one's place (its repair no longer matters)
+                    n.incarnation += 1
+                    n.up = True
+                    n.role = "train"
+                    replaced = True
+        self._changed()
+        load_s = self._share_s(self.params.ckpt_read_gbyte_s) if self.ckpt_step > 0 else 0.0
+        duration = self.params.restart_s + (self.params.replace_node_s if replaced else 0.0) + load_s
+        done = yield from self._wait(duration, "paused")
+        if done:
+            episodes = sorted(set(self.restart_for) | set(self.awaiting_recovery))
+            for f in episodes:
+                self.emit_episode("recover_end", f, from_step=self.ckpt_step)
+            self.restart_for.clear()
+            self.awaiting_recovery.clear()
+            self.recovery_s = 0.0
+
+    def _share_s(self, gbyte_s: float) -> float:
+        """Seconds for each training node to move its share of the checkpoint."""
+        holders = max(1, sum(1 for n in self._active() if n.slots > 0))
+        return self.state_bytes / holders / (gbyte_s * 1e9)
+
+    # ------------------------------------------------------------------ straggler handling
+    def _watch(self, fid: int) -> None:
+        if not self.absorb:
+            return
+        sp = self.spikes[fid]
+        healthy = self._shape(with_spikes=False)
+        delay = self.topology.spike_delay_s(sp.target, sp.spike_s, self._active_per_region())
+        healthy_s = healthy.expected_s()
+        if delay > 0 and (healthy_s + delay) / healthy_s > self.scenario.policy.straggler_factor:
+            in_flight = 1 if self.carry_s is not None else 0
+            self.watches[fid] = self.committed + in_flight + self.scenario.policy.straggler_window
+
+    def _straggler(self, fid: int) -> Generator:
+        del self.watches[fid]
+        sp = self.spikes[fid]
+        if not sp.active:
+            return
+        p = self.scenario.policy
+        self.emit_episode("detect", fid, slow_steps=p.straggler_window)
+        if "/" in sp.target:
+            movers = [self.nodes[sp.target]] if self.nodes[sp.target].up and self.nodes[sp.target].slots > 0 else []
+        else:
+            movers = [n for n in self._active() if n.region == sp.target and n.slots > 0]
+        active = self._active()
+        if not movers or len(movers) == len(active):
+            return
+        before = self._current_shape().expected_s()
+        spares = [x for x in self.order if x.up and x.role == "spare"][:len(movers)]
+        plan = self._plan_moves(movers, spares)
+        trial_nodes = [n for n in active if n not in movers] + spares
+        trial_slots = {n.name: n.slots for n in trial_nodes}
+        for _, to, k in plan:
+            trial_slots[to] += k
+        if self._shape(nodes=trial_nodes, slots=trial_slots).expected_s() >= before:
+            return  # moving would not help: endure the spike
+        self.emit_episode("recover_start", fid)
+        for n in movers:
+            n.slots = 0
+            n.role = "parked"
+        for to, node in ((to, self.nodes[to]) for _, to, _ in plan):
+            if node.role == "spare":
+                node.role = "train"
+        for _, to, k in plan:
+            self.nodes[to].slots += k
+        sp.moves = plan
+        sp.spare_receivers = {x.name for x in spares}
+        self._changed()
+        receivers = _merge([(to, k) for _, to, k in plan])
+        self.emit_episode("reslot", fid, slots=sum(k for _, _, k in plan), to=[f"{n}:{k}" for n, k in receivers])
+        takeover = self.params.spare_takeover_s if spares else 0.0
+        yield from self._wait(self.params.reform_s + takeover + self._transfer_s(receivers), "paused")
+
+    def _plan_moves(self, movers: list[Node], spares: list[Node]) -> list[tuple[str, str, int]]:
+        """(from, to, slots) moving the movers' slots to spares one for one, else over the
+        others (the fastest finish for a node, by capacity across regions for a region)."""
+        if len(spares) == len(movers):
+            return [(m.name, s.name, m.slots) for m, s in zip(movers, spares)]
+        others = [n for n in self._active() if n not in movers]
+        saved = {n.name: n.slots for n in others}
+        plan: list[tuple[str, str, int]] = []
+        for m in movers:
+            before = {n.name: n.slots for n in others}
+            if len(movers) == 1:
+                self._place(m.slots, others)
+            else:
+                self._spread_over_regions(m.slots, others)
+            plan += [(m.name, n.name, n.slots - before[n.name]) for n in others if n.slots > before[n.name]]
+        for n in others:
+            n.slots = saved[n.name]
+        self._changed()
+        return plan
+
+    def _end_spike(self, fid: int) -> Generator:
+        sp = self.spikes.pop(fid)
+        if not sp.moves:
+            self.emit_episode("recover_end", fid)
+            return
+        back: list[tuple[str, int]] = []
+        for frm, to, k in sp.moves:
+            home, holder = self.nodes[frm], self.nodes[to]
+            if not home.up or home.role != "parked":
+                continue
+            take = min(k, holder.slots) if holder.up else 0
+            holder.slots -= take
+            if holder.slots == 0 and holder.up and to in sp.spare_receivers:
+                holder.role = "spare"
+            home.slots += take
+            back.append((frm, take))
+        for n in self.order:  # a parked node whose slots went elsewhere meanwhile
+            if n.role == "parked" and n.up:
+                n.role = "train"
+        short = self.slot_count - sum(n.slots for n in self._active())
+        if short > 0:
+            back += self._place(short, self._active())
+        self._changed()
+        back = [(n, k) for n, k in _merge(back) if k > 0]
+        self.emit_episode("reslot", fid, back=True, to=[f"{n}:{k}" for n, k in back])
+        yield from self._wait(self.params.reform_s + self._transfer_s(back), "paused")
+        self.emit_episode("recover_end", fid)
+
+    def _rebalance(self) -> Generator:
+        """A repaired node rejoined as a spare: under absorb it relieves overloaded nodes."""
+        self.rejoined = False
+        if not self.absorb:
+            return
+        moved: list[tuple[str, int]] = []
+        while True:
+            spares = [x for x in self.order if x.up and x.role == "spare"]
+            active = self._active()
+            worst = max(active, key=lambda n: (n.slots / n.speed, -n.index))
+            if not spares or worst.slots / worst.speed <= self.healthy_max_load + 1e-12 or worst.slots < 2:
+                break
+            spare = spares[0]
+            spare.role = "train"
+            give = worst.slots // 2
+            worst.slots -= give
+            spare.slots += give
+            moved.append((spare.name, give))
+        if not moved:
+            return
+        self._changed()
+        self.emit("reslot", None, moved[0][0], None, reason="rejoin", to=[f"{n}:{k}" for n, k in moved])
+        yield from self._wait(self.params.reform_s + self.params.spare_takeover_s + self._transfer_s(moved), "paused")
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_due(self) -> bool:
+        c = self.committed
+        return (c > 0 and c % self.scenario.checkpoint.interval_steps == 0
+                and c > self.ckpt_attempted and c < self.scenario.run.steps)
+
+    def _checkpoint(self) -> Generator:
+        if self.writer is not None and self.writer.is_alive:
+            done = yield from self._wait(self.writer, "paused")  # the previous write first
+            if not done:
+                return
+        step = self.committed
+        mode = self.scenario.checkpoint.mode
+        self.emit("checkpoint_start", mode=mode)
+        if mode == "sync":
+            done = yield from self._wait(self._share_s(self.params.ckpt_write_gbyte_s), "paused")
+            if done:
+                self.ckpt_attempted = step
+                self.ckpt_step = step
+                self.emit("checkpoint_end", checkpoint_step=step)
+        else:
+            done = yield from self._wait(self._share_s(self.params.ckpt_snapshot_gbyte_s), "paused")
+            if done:
+                self.ckpt_attempted = step
+                self.writer = self.env.process(self._write(step, self._share_s(self.params.ckpt_write_gbyte_s)))
+
+    def _write(self, step: int, duration: float) -> Generator:
+        try:
+            yield self.env.timeout(duration)
+        except simpy.Interrupt:
+            return
+        self.ckpt_step = step
+        self.emit("checkpoint_end", checkpoint_step=step)
+
+    # ------------------------------------------------------------------ steps
+    def _steps_to_boundary(self) -> int:
+        c = self.committed
+        s = self.scenario
+        interval = s.checkpoint.interval_steps
+        bounds = [s.run.steps, (c // interval + 1) * interval, c + MAX_SEGMENT_STEPS]
+        bounds += [at for at in self.schedule_at if at > c and any(i not in self.schedule_fired for i in self.schedule_at[at])]
+        bounds += [at for at in self.watches.values() if at > c]
+        return max(1, min(bounds) - c)
+
+    def _segment(self, count: int) -> Generator:
+        assert sum(n.slots for n in self._active()) == self.slot_count, "slots lost"
+        durations = self._current_shape().draw(self.rng_steps, count)
+        if self.carry_s is not None:
+            durations[0] = max(self.carry_s, 0.0)
+            self.carry_s = None
+        nan = bool(self.nan_pending)
+        cum = np.cumsum(durations)
+        seg = Segment(self.env.now, self.committed, cum, nan)
+        self.segment = seg
+        for index in self.schedule_at.get(self.committed, ()):
+            if index not in self.schedule_fired:
+                self.schedule_fired.add(index)
+                self.env.process(self._fire_scheduled(index, 0.5 * float(durations[0])))
+        done = yield from self._wait(float(cum[-1]), "running")
+        if done:
+            if nan:
+                self.segment = None
+                self._nan_step_done()
+                return
+            self._sync()
+            self._emit_step(seg, count - 1)
+            self.committed += count
+        else:
+            k = seg.committed_by(self.env.now)
+            self._sync()
+            self.committed += k
+            if k < count:
+                self.carry_s = seg.start + float(cum[k]) - self.env.now
+        self.segment = None
+
+    def _nan_step_done(self) -> None:
+        """The step in flight came out non-finite: it is not committed."""
+        fids, self.nan_pending = self.nan_pending, []
+        for fid in fids:
+            info = self.info[fid]
+            self.emit_episode("detect", fid, non_finite_step=self.committed + 1)
+            if info.action == "quarantine_resample":
+                self.quarantined.add(info.target)
+                self.emit_episode("quarantine", fid, shard=info.target)
+                self.emit_episode("recover_end", fid)
+            else:
+                self.restart_for.append(fid)
+
+
+def _merge(pairs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    out: dict[str, int] = {}
+    for name, k in pairs:
+        out[name] = out.get(name, 0) + k
+    return list(out.items())

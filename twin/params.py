@@ -1,0 +1,152 @@
+"""Every primitive the twin's model uses, in one frozen dataclass: the calibration hook.
+
+`TwinParams.from_scenario(scenario)` derives them from the scenario (and its topology);
+`TwinParams.from_scenario(scenario, calibration)` takes each one that a calibration measured
+from `calibration["primitives"][name]["median"]` (`keel calibrate` writes that file) and
+falls back to the scenario for the names it lacks. Names the twin does not know are ignored,
+so a calibration may carry more measurements than the twin uses.
+
+Calibrated primitives (name: what it is; where the scenario value comes from):
+  slot_compute_s          one slot's micro-batch on one nominal node, s (workload.step_compute_s)
+  step_overhead_s         fixed per-step cost beyond compute and reduction, s (0)
+  reduce_latency_s        latency term of one all-reduce over the full membership, s (topology)
+  reduce_gbyte_s          effective all-reduce bandwidth: gradient bytes / bandwidth term, GB/s (topology)
+  detect_kill_s           mean time to detect a killed worker, s (detect_timeout_s - heartbeat_s / 2:
+                          the timeout runs from the last heartbeat, a uniform phase before the death)
+  detect_hang_s           mean time to detect a hung or silently vanished worker, s (same as kill)
+  reform_s                survivors re-form the group (new generation, fresh process group), s
+                          (0.1: ARCHITECTURE.md's measured 70-130 ms with gloo)
+  state_transfer_gbyte_s  peer-to-peer state copy between two nodes, GB/s (first region's
+                          node bandwidth; the topology scales it for other routes)
+  spare_takeover_s        a hot spare joins and takes over slots (beyond the state copy), s (0)
+  ckpt_snapshot_gbyte_s   per-node device-to-host snapshot of async checkpoints, GB/s (checkpoint.snapshot_gbyte_s)
+  ckpt_write_gbyte_s      per-node checkpoint write, GB/s (checkpoint.write_gbyte_s)
+  ckpt_read_gbyte_s       per-node checkpoint read, GB/s (checkpoint.read_gbyte_s)
+  restart_s               relaunch and rendezvous of the whole job, s (policy.restart_s)
+
+Reductions and transfers over memberships or routes other than the reference ones keep the
+topology's shape: the model scales the topology's figures by calibrated / reference.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from keel.errors import InputError
+from keel.scenario import Scenario
+from twin.topology import Topology
+
+DEFAULT_REFORM_S = 0.1
+CALIBRATED = (
+    "slot_compute_s", "step_overhead_s", "reduce_latency_s", "reduce_gbyte_s", "detect_kill_s",
+    "detect_hang_s", "reform_s", "state_transfer_gbyte_s", "spare_takeover_s",
+    "ckpt_snapshot_gbyte_s", "ckpt_write_gbyte_s", "ckpt_read_gbyte_s", "restart_s",
+)
+_RATES = {"reduce_gbyte_s", "state_transfer_gbyte_s", "ckpt_snapshot_gbyte_s",
+          "ckpt_write_gbyte_s", "ckpt_read_gbyte_s", "slot_compute_s"}  # must be > 0
+
+
+class CalibrationError(InputError):
+    """A calibration file or dict the twin cannot use; the message names the file and key."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TwinParams:
+    slot_compute_s: float
+    step_overhead_s: float
+    reduce_latency_s: float
+    reduce_gbyte_s: float
+    detect_kill_s: float
+    detect_hang_s: float
+    reform_s: float
+    state_transfer_gbyte_s: float
+    spare_takeover_s: float
+    ckpt_snapshot_gbyte_s: float
+    ckpt_write_gbyte_s: float
+    ckpt_read_gbyte_s: float
+    restart_s: float
+    # not calibrated: taken from the scenario as they are
+    compute_jitter: float
+    heartbeat_s: float
+    replace_node_s: float
+    calibrated: tuple[str, ...] = ()
+
+    @classmethod
+    def from_scenario(cls, scenario: Scenario, calibration: dict | None = None,
+                      source: str = "calibration", topology: Topology | None = None) -> "TwinParams":
+        topology = topology or Topology(scenario)
+        p = scenario.policy
+        c = scenario.checkpoint
+        active: dict[str, int] = {}
+        for name in scenario.node_names[: scenario.training_nodes]:
+            region = name.split("/", 1)[0]
+            active[region] = active.get(region, 0) + 1
+        reduction = topology.reduction(active)
+        detect = p.detect_timeout_s - p.heartbeat_s / 2
+        values: dict[str, float] = {
+            "slot_compute_s": scenario.workload.step_compute_s,
+            "step_overhead_s": 0.0,
+            "reduce_latency_s": reduction.latency_s,
+            "reduce_gbyte_s": (1.0 / reduction.s_per_byte / 1e9) if reduction.s_per_byte > 0 else math.inf,
+            "detect_kill_s": detect,
+            "detect_hang_s": detect,
+            "reform_s": DEFAULT_REFORM_S,
+            "state_transfer_gbyte_s": topology.reference_transfer_gbyte_s(),
+            "spare_takeover_s": 0.0,
+            "ckpt_snapshot_gbyte_s": c.snapshot_gbyte_s,
+            "ckpt_write_gbyte_s": c.write_gbyte_s,
+            "ckpt_read_gbyte_s": c.read_gbyte_s,
+            "restart_s": p.restart_s,
+        }
+        measured = _medians(calibration, source) if calibration is not None else {}
+        values.update(measured)
+        return cls(**values, compute_jitter=scenario.workload.compute_jitter,
+                   heartbeat_s=p.heartbeat_s, replace_node_s=p.replace_node_s,
+                   calibrated=tuple(sorted(measured)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _medians(calibration: Any, source: str) -> dict[str, float]:
+    if not isinstance(calibration, dict):
+        raise CalibrationError(f"{source}: expected a JSON object, got {type(calibration).__name__}")
+    primitives = calibration.get("primitives")
+    if not isinstance(primitives, dict):
+        raise CalibrationError(f"{source}: key 'primitives': expected an object of measured primitives, got {primitives!r}")
+    out = {}
+    for name in CALIBRATED:
+        if name not in primitives:
+            continue
+        entry = primitives[name]
+        key = f"primitives.{name}.median"
+        if not isinstance(entry, dict) or "median" not in entry:
+            raise CalibrationError(f"{source}: key '{key}': missing; expected an object with a 'median'")
+        value = entry["median"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise CalibrationError(f"{source}: key '{key}': expected a finite number, got {value!r}")
+        if value < 0 or (value == 0 and name in _RATES):
+            kind = "positive" if name in _RATES else "non-negative"
+            raise CalibrationError(f"{source}: key '{key}': expected a {kind} number, got {value!r}")
+        out[name] = float(value)
+    return out
+
+
+def load_calibration(path: str | Path) -> dict:
+    """Read a calibration.json; any problem is a CalibrationError naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise CalibrationError(f"{path}: no such calibration file") from None
+    except OSError as e:
+        raise CalibrationError(f"{path}: cannot read the calibration file ({e.strerror})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CalibrationError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    _medians(data, str(path))
+    return data

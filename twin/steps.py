@@ -1,0 +1,108 @@
+"""The step-time model, vectorised: the slowest node's compute plus the gradient reduction.
+
+A node holding `k` slots at relative speed `v` computes for `k * slot_compute_s / v * (1 + cv Z)`
+(Z standard normal, cv = `workload.compute_jitter`), independently per node and step. The step
+waits for the slowest node, so per group of `n` identical nodes one uniform draw U per step
+gives that group's maximum exactly, by inverting the maximum's CDF: Z_max = Phi^-1(U^(1/n)).
+Cost per step is one draw per *group* (nodes with the same slots and speed), not per node.
+
+Step time = max over groups + reduction latency (+ N(0, jitter) from the links) + gradient
+bytes x seconds per byte + per-step overhead + the delay of any unmitigated latency spike.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# Acklam's rational approximation of the standard normal quantile (relative error < 1.2e-9).
+_A = (-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
+      1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00)
+_B = (-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
+      6.680131188771972e+01, -1.328068155288572e+01)
+_C = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
+      -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00)
+_D = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00, 3.754408661907416e+00)
+_P_LOW = 0.02425
+
+
+def _poly(coeffs: tuple[float, ...], x: np.ndarray) -> np.ndarray:
+    out = np.full_like(x, coeffs[0])
+    for c in coeffs[1:]:
+        out = out * x + c
+    return out
+
+
+def normal_quantile_lower(q: np.ndarray) -> np.ndarray:
+    """Phi^-1(q) for q in (0, 1), accurate in the lower tail (q small)."""
+    q = np.asarray(q, dtype=float)
+    out = np.empty_like(q)
+    low = q < _P_LOW
+    high = q > 1 - _P_LOW
+    mid = ~(low | high)
+    t = np.sqrt(-2.0 * np.log(q[low]))
+    out[low] = _poly(_C, t) / (_poly(_D, t) * t + 1.0)
+    r = q[mid] - 0.5
+    s = r * r
+    out[mid] = _poly(_A, s) * r / (_poly(_B, s) * s + 1.0)
+    t = np.sqrt(-2.0 * np.log1p(-q[high]))
+    out[high] = -_poly(_C, t) / (_poly(_D, t) * t + 1.0)
+    return out
+
+
+def max_of_normals(u: np.ndarray, n: int) -> np.ndarray:
+    """The maximum of n iid standard normals, from uniforms u: Phi^-1(u^(1/n)), computed through
+    the upper-tail probability 1 - u^(1/n) so it stays accurate for large n."""
+    u = np.clip(u, 1e-300, 1.0)
+    upper = -np.expm1(np.log(u) / n)
+    upper = np.clip(upper, 1e-300, 1.0 - 1e-16)
+    return -normal_quantile_lower(upper)
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step costs under the cluster's current state."""
+    groups: tuple[tuple[int, float], ...]  # (nodes, fault-free compute s) per group
+    compute_jitter: float
+    fixed_s: float          # reduction (latency + bytes) + overhead + spike delay
+    latency_s: float        # the reduction's latency term (the link noise never undercuts it)
+    link_jitter_s: float    # standard deviation of the per-step link noise
+
+    def draw(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        """`count` step times, one draw per group and step (plus one for the links)."""
+        slowest = None
+        for n, base in self.groups:
+            if self.compute_jitter > 0:
+                z = max_of_normals(rng.random(count), n)
+                group = base * np.maximum(1.0 + self.compute_jitter * z, 0.0)
+            else:
+                group = np.full(count, base)
+            slowest = group if slowest is None else np.maximum(slowest, group)
+        out = slowest + self.fixed_s
+        if self.link_jitter_s > 0:
+            out += np.maximum(rng.normal(0.0, self.link_jitter_s, count), -self.latency_s)
+        return out
+
+    def expected_s(self) -> float:
+        return expected_max(self.groups, self.compute_jitter) + self.fixed_s
+
+
+_ERFC = np.frompyfunc(math.erfc, 1, 1)
+
+
+def expected_max(groups: tuple[tuple[int, float], ...], cv: float, points: int = 4001) -> float:
+    """E[max over groups of the slowest node], by integrating 1 - CDF of the maximum."""
+    top = max(base for _, base in groups)
+    if cv == 0:
+        return top
+    lo = max(0.0, top * (1 - 8 * cv))
+    hi = top * (1 + 9 * cv)
+    y = np.linspace(lo, hi, points)
+    log_cdf = np.zeros_like(y)
+    for n, base in groups:
+        z = (y - base) / (cv * base)
+        phi = 0.5 * _ERFC(-z / math.sqrt(2)).astype(float)
+        log_cdf += n * np.log(np.maximum(phi, 1e-300))
+    survival = 1.0 - np.exp(log_cdf)
+    return lo + float(np.sum((survival[1:] + survival[:-1]) * 0.5 * np.diff(y)))

@@ -1,0 +1,188 @@
+"""The cluster as a networkx graph, and the costs that come from it.
+
+Graph: one vertex per machine (`kind="node"`, with `region`, `gpus`, `speed`) and one switch
+vertex per region (`kind="region"`). Each machine hangs off its region's switch by an edge
+carrying half the intra-region latency and the node's bandwidth; the scenario's `[[links]]`
+join the switches (one-way latency = rtt/2, bandwidth, jitter). A star per region keeps the
+graph linear in the number of machines (a full mesh of 16,384 nodes would not be).
+
+The gradient reduction is hierarchical over the *active* training nodes (a membership):
+  1. reduce-scatter inside every region (ring of its n_r active nodes): n_r - 1 phases, each
+     one intra-region hop and B / n_r bytes per node;
+  2. all-reduce across the R active regions over a ring of regions (ordered by networkx's
+     greedy TSP on routed latency), every ring edge routed over the links by shortest latency:
+     2 (R - 1) phases, each moving B / R bytes of the region's shards over the routed path
+     (bottleneck bandwidth, shared by the ring edges routed over the same link, and never more
+     than the region's nodes can inject together);
+  3. all-gather inside every region: n_r - 1 phases again.
+Regions run phases 1 and 3 in parallel, so those cost the slowest region's; every phase of 2 is
+gated by its slowest ring edge. The cost is affine in the bytes: latency_s + bytes * s_per_byte.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import networkx as nx
+
+from keel.scenario import Scenario
+
+GBIT = 1e9 / 8  # bytes per second in one Gbit/s
+
+
+@dataclass(frozen=True, slots=True)
+class ReductionCost:
+    """One all-reduce over a membership: `latency_s + bytes * s_per_byte`, with per-step noise
+    of standard deviation `jitter_s` on the latency (from the links' jitter)."""
+    latency_s: float
+    s_per_byte: float
+    jitter_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes * self.s_per_byte
+
+
+NO_REDUCTION = ReductionCost(0.0, 0.0, 0.0)
+
+
+class Topology:
+    """The graph plus the routed costs the twin needs. Costs are cached per membership shape
+    (active nodes per region), so thousands of calls over a run stay cheap."""
+
+    def __init__(self, scenario: Scenario):
+        self.graph = build_graph(scenario)
+        self.region_names = [r.name for r in scenario.regions]
+        self._regions = {r.name: r for r in scenario.regions}
+        self._region_graph = self.graph.subgraph(self.region_names).copy()
+        self._route_cache: dict[tuple[str, str], tuple[float, tuple[frozenset, ...], float]] = {}
+        self._ring_cache: dict[tuple[str, ...], tuple[str, ...]] = {}
+        self._cost_cache: dict[tuple[tuple[str, int], ...], ReductionCost] = {}
+
+    # -- routing over the links between regions
+    def route(self, a: str, b: str) -> tuple[float, tuple[frozenset, ...], float]:
+        """(one-way latency s, the links used, jitter s) of the lowest-latency path a -> b."""
+        key = (a, b) if a <= b else (b, a)
+        if key not in self._route_cache:
+            path = nx.shortest_path(self._region_graph, key[0], key[1], weight="latency_s")
+            links = tuple(frozenset(e) for e in zip(path, path[1:]))
+            data = [self._region_graph.edges[tuple(l)] for l in links]
+            latency = sum(d["latency_s"] for d in data)
+            jitter = math.sqrt(sum(d["jitter_s"] ** 2 for d in data))
+            self._route_cache[key] = (latency, links, jitter)
+        return self._route_cache[key]
+
+    def region_ring(self, regions: Iterable[str]) -> tuple[str, ...]:
+        """The order in which the inter-region all-reduce ring visits the active regions."""
+        key = tuple(sorted(regions, key=self.region_names.index))
+        if key not in self._ring_cache:
+            if len(key) <= 3:
+                ring = key
+            else:
+                g = nx.Graph()
+                for i, a in enumerate(key):
+                    for b in key[i + 1:]:
+                        g.add_edge(a, b, weight=self.route(a, b)[0])
+                cycle = nx.approximation.greedy_tsp(g, weight="weight", source=key[0])
+                ring = tuple(cycle[:-1])
+            self._ring_cache[key] = ring
+        return self._ring_cache[key]
+
+    # -- the reduction
+    def reduction(self, active_per_region: dict[str, int]) -> ReductionCost:
+        """Cost of one hierarchical all-reduce over `active_per_region` (region -> nodes)."""
+        shape = tuple((r, n) for r in self.region_names if (n := active_per_region.get(r, 0)) > 0)
+        if shape not in self._cost_cache:
+            self._cost_cache[shape] = self._reduction(dict(shape))
+        return self._cost_cache[shape]
+
+    def _reduction(self, active: dict[str, int]) -> ReductionCost:
+        total_nodes = sum(active.values())
+        if total_nodes <= 1:
+            return NO_REDUCTION
+        intra_latency = intra_per_byte = 0.0
+        for name, n in active.items():
+            if n > 1:
+                r = self._regions[name]
+                phases = 2 * (n - 1)  # reduce-scatter + all-gather
+                intra_latency = max(intra_latency, phases * r.intra_latency_ms / 1e3)
+                intra_per_byte = max(intra_per_byte, phases / n / (r.intra_gbit_s * GBIT))
+        regions = list(active)
+        if len(regions) == 1:
+            return ReductionCost(intra_latency, intra_per_byte, 0.0)
+        ring = self.region_ring(regions)
+        edges = list(zip(ring, ring[1:] + ring[:1]))
+        if len(ring) == 2:
+            edges = edges[:1]  # two regions: one edge, used both ways
+        uses: dict[frozenset, int] = {}
+        for a, b in edges:
+            for link in self.route(a, b)[1]:
+                uses[link] = uses.get(link, 0) + 1
+        R = len(ring)
+        phase_latency = phase_per_byte = phase_jitter = 0.0
+        for a, b in edges:
+            latency, links, jitter = self.route(a, b)
+            bandwidth = min(self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] / uses[l] for l in links)
+            # the region's nodes inject its shards in parallel: never faster than they can send
+            injection = min(active[x] * self._regions[x].intra_gbit_s * GBIT for x in (a, b))
+            phase_latency = max(phase_latency, latency)
+            phase_per_byte = max(phase_per_byte, 1.0 / R / min(bandwidth, injection))
+            phase_jitter = max(phase_jitter, jitter)
+        phases = 2 * (R - 1)
+        return ReductionCost(intra_latency + phases * phase_latency,
+                             intra_per_byte + phases * phase_per_byte,
+                             math.sqrt(phases) * phase_jitter)
+
+    # -- latency spikes
+    def spike_delay_s(self, target: str, spike_s: float, active_per_region: dict[str, int]) -> float:
+        """Extra step time a latency spike of `spike_s` on `target` (a node or a region's
+        links) adds: every latency-bound phase the target takes part in waits for it."""
+        regions_active = sum(1 for n in active_per_region.values() if n > 0)
+        inter_phases = 2 * (regions_active - 1)
+        if "/" in target:
+            region = target.split("/", 1)[0]
+            n = active_per_region.get(region, 0)
+            if n == 0:
+                return 0.0
+            return spike_s * (2 * (n - 1) + inter_phases)
+        if active_per_region.get(target, 0) == 0:
+            return 0.0
+        return spike_s * inter_phases
+
+    # -- moving state between nodes
+    def transfer_gbyte_s(self, receiver: str, live_nodes: Iterable[str]) -> float:
+        """Bandwidth (GB/s) of a state copy to `receiver` from the nearest live peer: inside the
+        region at the node bandwidth, else over the routed path's bottleneck."""
+        region = receiver.split("/", 1)[0]
+        peers = {n.split("/", 1)[0] for n in live_nodes if n != receiver}
+        own = self._regions[region].intra_gbit_s * GBIT
+        if region in peers or not peers:
+            return own / 1e9
+        best = None
+        for peer_region in peers:
+            latency, links, _ = self.route(region, peer_region)
+            bw = min([own, self._regions[peer_region].intra_gbit_s * GBIT]
+                     + [self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] for l in links])
+            if best is None or (latency, -bw) < best[0]:
+                best = ((latency, -bw), bw)
+        return best[1] / 1e9
+
+    def reference_transfer_gbyte_s(self) -> float:
+        """The transfer bandwidth the calibration's `state_transfer_gbyte_s` corresponds to: a
+        copy between two nodes of the first region."""
+        return self._regions[self.region_names[0]].intra_gbit_s * GBIT / 1e9
+
+
+def build_graph(scenario: Scenario) -> nx.Graph:
+    g = nx.Graph()
+    for r in scenario.regions:
+        g.add_node(r.name, kind="region")
+        for i in range(r.nodes):
+            name = f"{r.name}/{i}"
+            g.add_node(name, kind="node", region=r.name, gpus=r.gpus_per_node, speed=r.speed)
+            g.add_edge(name, r.name, latency_s=r.intra_latency_ms / 2e3,
+                       bandwidth_bytes_s=r.intra_gbit_s * GBIT, jitter_s=0.0)
+    for link in scenario.links:
+        g.add_edge(link.a, link.b, latency_s=link.rtt_ms / 2e3,
+                   bandwidth_bytes_s=link.gbit_s * GBIT, jitter_s=link.jitter_ms / 1e3)
+    return g
