@@ -137,6 +137,20 @@ def test_round_trip_is_bit_exact(trained, tmp_path, monkeypatch):
     assert (weights_sha256(fresh), [random.random(), float(np.random.rand()), torch.rand(1).item()]) == reference
 
 
+def test_data_offset_resumes_the_loader(trained, tmp_path):
+    from runtime.data import Loader, ensure_dataset
+    model, opt = trained
+    ds = ensure_dataset(tmp_path / "data", shards=4)
+    loader = Loader(ds, seed=5, context=TINY.context, micro_batch=4)
+    path = save(tmp_path / "run", 12, model, opt, data_state=loader.state(12, {1}))
+    loaded = load_checkpoint(path)
+    assert loaded.rng["loader"]["version"] == ds.version and loaded.rng["loader"]["step"] == 12
+    resumed = Loader.from_state(ds, loaded.data_state, TINY.context, 4)
+    q = frozenset(loaded.data_state["quarantine"])
+    a, b = loader.batch(12, 3, q), resumed.batch(loaded.data_state["step"], 3, q)
+    assert torch.equal(a.x, b.x) and a.shards == b.shards and 1 not in b.shards
+
+
 def test_commit_sha_is_recorded_and_a_different_one_is_a_warning(trained, tmp_path, monkeypatch):
     model, opt = trained
     path = save(tmp_path, 1, model, opt)

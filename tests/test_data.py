@@ -97,6 +97,7 @@ def test_cli_prepare_json(tmp_path):
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["shards"] == 4 and summary["built"] is True
+    assert "shards" in r.stderr  # the progress bar goes to stderr
     assert summary["version"] == Dataset.open(out).version
     r = subprocess.run(keel_cmd("data", "prepare", "--shards", "0"), cwd=REPO, capture_output=True, text=True, timeout=50)
     assert r.returncode == 2 and "--shards" in r.stderr
