@@ -313,7 +313,9 @@ def _refine_interval(ev: Evaluator, chosen: dict, same_rest: Sequence[dict],
     points = [{"policy": p, **r} for p, r in zip(policies, scored)]
     seen = {p[INTERVAL] for p in policies}
     pairs = [(p[INTERVAL], r["goodput"]) for p, r in zip(policies, scored)]
-    pairs += [(r["policy"][INTERVAL], r["goodput"]) for r in same_rest if r["policy"][INTERVAL] not in seen]
+    # the first-order model holds near the optimum only: trials far from the grid stay out
+    pairs += [(r["policy"][INTERVAL], r["goodput"]) for r in same_rest
+              if r["policy"][INTERVAL] not in seen and grid[0] <= r["policy"][INTERVAL] <= grid[-1]]
     fit = fit_interval(pairs)
     info: dict[str, Any] = {"grid": grid, "fit": fit, "points": points}
     if fit is None:

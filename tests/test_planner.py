@@ -1,0 +1,174 @@
+"""The planner: policy search on the twin (Young/Daly, the 46-node cluster, Pareto, CRN, Ray),
+and the pieces of calibrate and validate that need no runtime (test_planner_runtime.py has
+the ones that do)."""
+import importlib.util
+import json
+import math
+import subprocess
+
+import pytest
+
+from keel import scenario as S
+from conftest import SCENARIOS, keel_cmd
+from planner import scenarios as PS
+from planner import search
+from planner.replicas import SerialRunner, seeds_for, twin_summary
+
+# One node, exponential failures (MTBF 2 h), a sync checkpoint of 40 GB at 2 GB/s (delta = 20 s),
+# 5 s steps, ~110 failures a replica: Young/Daly's interval is sqrt(2 * 20 * 7200) = 537 s = 107 steps.
+SINGLE_NODE = """
+[run]
+name = "single-node-exp"
+seed = 3
+steps = 144000
+[workload]
+step_compute_s = 5.0
+gradient_bytes = 0
+compute_jitter = 0.0
+[checkpoint]
+interval_steps = 50
+mode = "sync"
+weights_bytes = 20_000_000_000
+optimizer_bytes = 20_000_000_000
+write_gbyte_s = 2.0
+read_gbyte_s = 4.0
+[[regions]]
+name = "solo"
+nodes = 1
+[faults.hardware_fault]
+mtbf_node_hours = 2.0
+repair_hours = 0.1
+[policy]
+kind = "checkpoint_restart"
+restart_s = 60.0
+replace_node_s = 0.0
+"""
+
+
+def big() -> S.Scenario:
+    return S.load(SCENARIOS / "multiregion-46.toml")
+
+
+# ----------------------------------------------------------------------------- closed forms, helpers
+
+def test_young_daly_closed_form():
+    s = S.loads(SINGLE_NODE)
+    yd = PS.young_daly(s, step_time_s=5.0)
+    assert yd["delta_s"] == pytest.approx(20.0)
+    assert yd["mtbf_s"] == pytest.approx(7200.0)
+    assert yd["interval_s"] == pytest.approx(math.sqrt(2 * 20.0 * 7200.0))
+    assert yd["interval_steps"] == 107
+    # the 46-node cluster: 44 training nodes at 5000 h, 0.05 rack losses and 0.5 NaN shards a day
+    b = big()
+    rate_h = 44 / 5000 + 0.05 / 24 + 0.5 / 24
+    assert PS.job_mtbf_s(b, 8.0) == pytest.approx(3600 / rate_h)
+    assert PS.checkpoint_write_s(b) == pytest.approx(1.68e12 / 44 / 2e9)
+
+
+def test_hot_spares_are_extra_paid_nodes():
+    b = big()
+    more = PS.with_policy(b, {"policy.hot_spares": 4})
+    assert more.training_nodes == b.training_nodes == 44
+    assert more.total_nodes == 48 and more.regions[-1].nodes == 10
+    assert PS.paid_nodes(more) == 48
+    assert PS.spares_range(b)[0] == 0
+    local = S.load(SCENARIOS / "local-8.toml")  # its rack loss takes both ap-southeast nodes
+    assert PS.spares_range(local) == (1, 5)
+    quiet = PS.schedule_only(b)
+    assert quiet.faults.hardware_fault.mtbf_node_hours == 0 and quiet.faults.schedule == b.faults.schedule
+
+
+def test_pareto_and_recommendation():
+    pts = [{"goodput": 0.9, "cost_node_hours_per_step": 1.0}, {"goodput": 0.95, "cost_node_hours_per_step": 1.01},
+           {"goodput": 0.97, "cost_node_hours_per_step": 1.2}, {"goodput": 0.94, "cost_node_hours_per_step": 1.05}]
+    front = search.pareto(pts)
+    assert [p["goodput"] for p in front] == [0.97, 0.95, 0.9]
+    assert search.recommend(front, cost_slack=0.02)["goodput"] == 0.95
+    assert search.recommend(front, cost_slack=0.5)["goodput"] == 0.97
+
+
+def test_interval_fit_recovers_the_optimum():
+    a, b, c = 1.0, 3.0, 3e-4  # optimum sqrt(b / c) = 100
+    pts = [(t, a - b / t - c * t) for t in (50, 70, 90, 110, 150, 200)]
+    assert search.fit_interval(pts)["tau"] == pytest.approx(100.0)
+    assert search.fit_interval([(t, 0.9 + 1e-4 * t) for t in (10, 20, 30, 40)]) is None  # no interior optimum
+
+
+def test_common_random_numbers():
+    """Same seeds: one policy scores identically twice; two policies see the same fault times."""
+    b = big()
+    seeds = seeds_for(b.run.seed, 2)
+    ev = search.Evaluator(scenario=b, seeds=seeds, runner=SerialRunner())
+    policy = {"checkpoint.interval_steps": 150}
+    first = ev.score(policy)
+    ev.cache.clear()
+    assert ev.score(policy) == first
+    import twin
+    stormy = S.loads(SINGLE_NODE, overrides=["run.steps=20000"])
+    t1 = twin.simulate(PS.with_policy(stormy, {"checkpoint.interval_steps": 60}), seed=5).events
+    t2 = twin.simulate(PS.with_policy(stormy, {"checkpoint.interval_steps": 200}), seed=5).events
+    first_fault = lambda ev: next(e.t for e in ev if e.kind == "fault")  # noqa: E731
+    assert first_fault(t1) == first_fault(t2)
+
+
+# ----------------------------------------------------------------------------- the search
+
+@pytest.mark.timeout(240)
+def test_plan_single_node_finds_young_daly_interval():
+    s = S.loads(SINGLE_NODE)
+    result = search.run_plan(s, trials=12, replicas=8, processes=2, keys=["checkpoint.interval_steps"],
+                             progress=False)
+    yd = math.sqrt(2 * 20.0 * 7200.0) / 5.0  # steps, computed here from the closed form
+    found = result["recommended"]["checkpoint.interval_steps"]
+    assert abs(found - yd) / yd <= 0.10, (found, yd, result["interval_refinement"]["fit"])
+    assert result["baseline"]["checkpoint.interval_steps"] == round(yd)
+
+
+@pytest.mark.timeout(240)
+def test_plan_46_nodes_beats_the_baseline():
+    result = search.run_plan(big(), trials=16, replicas=4, processes=2, progress=False)
+    rec, base = result["recommended"], result["baseline"]
+    assert base["policy.kind"] == "checkpoint_restart"
+    assert base["checkpoint.interval_steps"] == result["young_daly"]["interval_steps"]
+    assert rec["goodput"] > base["goodput"]
+    assert rec["cost_node_hours_per_step"] < base["cost_node_hours_per_step"]
+    assert result["pareto"] and len(result["trials"]) >= 16
+    front = {(p["goodput"], p["cost_node_hours_per_step"]) for p in result["pareto"]}
+    for t in result["trials"]:  # nothing in the trials dominates a front point
+        for g, c in front:
+            assert not (t["goodput"] > g and t["cost_node_hours_per_step"] < c)
+    # every candidate carries its policy as dotted keys, the seeds are common
+    assert all(set(t["policy"]) <= set(search.ALL_KEYS) for t in result["trials"])
+    assert result["seeds"] == seeds_for(7, 4)
+
+
+@pytest.mark.timeout(240)
+def test_plan_cli_json_and_out(tmp_path):
+    out = tmp_path / "plan"
+    p = subprocess.run(keel_cmd("plan", str(SCENARIOS / "multiregion-46.toml"), "--trials", "4", "--replicas", "2",
+                                "--json", "--out", str(out)), capture_output=True, text=True, timeout=200)
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout)  # one JSON object on stdout, nothing else
+    assert {"recommended", "baseline", "pareto", "trials"} <= set(result)
+    assert "goodput" in result["recommended"] and "cost_node_hours_per_step" in result["baseline"]
+    assert json.loads((out / "plan.json").read_text()) == result
+    assert "plan" in p.stderr  # the progress bar went to stderr
+    bad = subprocess.run(keel_cmd("plan", str(SCENARIOS / "multiregion-46.toml"), "--trials", "0"),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--trials" in bad.stderr
+    big_check = subprocess.run(keel_cmd("plan", str(SCENARIOS / "multiregion-46.toml"), "--validate"),
+                               capture_output=True, text=True, timeout=60)
+    assert big_check.returncode == 2 and "local scenario" in big_check.stderr
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray (optional extra 'ray') is not installed")
+def test_plan_replicas_as_ray_tasks():
+    result = search.run_plan(big(), trials=3, replicas=2, ray_address="local", progress=False, refine=False)
+    local = search.run_plan(big(), trials=3, replicas=2, processes=1, progress=False, refine=False)
+    assert [t["goodput"] for t in result["trials"]] == [t["goodput"] for t in local["trials"]]
+
+
+def test_twin_summary_job_is_small():
+    r = twin_summary((S.loads(SINGLE_NODE, overrides=["run.steps=200"]), 1, None))
+    assert set(r) >= {"goodput", "wall_s", "steps", "step_time_s", "restarts", "faults", "seed"}
