@@ -96,7 +96,12 @@ class Dataset:
             raise InputError(f"{index_path}: unreadable dataset index ({e})") from None
         if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("format_version") != FORMAT_VERSION:
             raise InputError(f"{index_path}: expected a {FORMAT} index of format version {FORMAT_VERSION}")
-        shard_bytes = index["shard_bytes"]
+        shard_bytes = index.get("shard_bytes")
+        entries = index.get("shards")
+        if not (isinstance(shard_bytes, int) and shard_bytes > 0 and isinstance(entries, list) and entries
+                and all(isinstance(e, dict) and isinstance(e.get("file"), str) and "/" not in e["file"]
+                        and isinstance(e.get("sha256"), str) for e in entries)):
+            raise InputError(f"{index_path}: malformed dataset index (shard_bytes, shards[].file, shards[].sha256)")
         data = np.empty((len(index["shards"]), shard_bytes), dtype=np.uint8)
         for i, entry in enumerate(index["shards"]):
             path = root / entry["file"]
