@@ -1,0 +1,51 @@
+"""The runtime's public entry point (the planner and `keel run` use only this)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from keel.scenario import Scenario
+
+
+def with_steps(scenario: Scenario, steps: int | None) -> Scenario:
+    """`--steps N`: run.steps = N; scheduled faults at or beyond step N cannot strike and are
+    dropped (with a note on stderr)."""
+    if steps is None:
+        return scenario
+    from keel.errors import InputError
+    if steps < 1:
+        raise InputError(f"--steps: expected a positive number of steps, got {steps}")
+    keep = tuple(e for e in scenario.faults.schedule if e.at_step < steps)
+    if len(keep) < len(scenario.faults.schedule):
+        dropped = len(scenario.faults.schedule) - len(keep)
+        print(f"keel: --steps {steps}: {dropped} scheduled fault(s) at step {steps} or later dropped", file=sys.stderr)
+    return dataclasses.replace(scenario, run=dataclasses.replace(scenario.run, steps=steps),
+                               faults=dataclasses.replace(scenario.faults, schedule=keep))
+
+
+def without_faults(scenario: Scenario) -> Scenario:
+    return dataclasses.replace(scenario, faults=dataclasses.replace(scenario.faults, schedule=()))
+
+
+def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None = None,
+                 resume: str | Path | None = None, no_faults: bool = False,
+                 allow_config_change: bool = False, progress: bool = True,
+                 listen: str = "127.0.0.1:0", spawn: bool = True, hangs: str | None = None,
+                 device: str = "cpu") -> dict[str, Any]:
+    """Run `scenario` for real: a coordinator here, one worker process per node. Writes
+    `out_dir/events.jsonl` and `out_dir/summary.json`; returns the summary. Raises
+    `keel.errors.RunFailed` if the run could not complete, `InputError` for bad input."""
+    from runtime.coordinator import Coordinator
+
+    scenario = with_steps(scenario, steps)
+    if no_faults:
+        scenario = without_faults(scenario)
+    out = Path(out_dir)
+    coord = Coordinator(scenario, out, resume=resume, allow_config_change=allow_config_change,
+                        progress=progress, listen=listen, spawn=spawn, hangs=hangs, device=device)
+    summary = coord.run()
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    return summary

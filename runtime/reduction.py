@@ -1,0 +1,183 @@
+"""Deterministic reduction over slots: exact fixed-point summation with a shared exponent.
+
+Every slot contributes one flat float32 vector (its gradients, then its loss). The mean over
+slots must not depend on which worker holds which slot, nor on the world size, nor on the
+order in which the collective adds the workers' parts. Floating-point addition is not
+associative, so a plain float all-reduce fails that; integer addition is associative (exactly,
+even with wrap-around), so we add integers:
+
+1. Each worker takes, per segment (one parameter tensor, or the loss), the largest |value|
+   over its slots, plus a non-finite flag. One all-reduce MAX of that short vector gives every
+   worker the same global maxima M_i, hence the same exponent e_i (M_i < 2^e_i).
+2. Each slot's values are scaled by 2^shift_i (shift_i = 61 - e_i - ceil(log2(slots))) in
+   float64 (exact: float32 -> float64 and a power-of-two scale lose nothing), rounded half to
+   even to int64 and summed over the worker's slots. With that shift no sum of `slots` terms
+   can overflow 2^63.
+3. One all-reduce SUM of the int64 vector. Its result is the exact sum of the rounded values,
+   whatever the grouping. Decoding (int64 -> float64, x 2^-shift_i, / slots, -> float32) is a
+   fixed sequence of operations on identical inputs, so every worker gets identical bits.
+
+Accuracy: each value is quantised to M_i x 2^-(60 - log2 slots) or finer, 2^-36 below the
+largest value of its tensor times float32's own resolution, so the result equals the float64
+mean of the slots rounded to float32, up to one float32 rounding. The plain float32 mean is
+itself only that accurate.
+
+A non-finite value anywhere sets the flag instead; every worker sees it after step 1 and the
+step is not committed (quarantine, see worker.py). The int64 round is then skipped.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+SHIFT_BASE = 61  # bits of headroom in an int64 sum, minus one for the sign
+
+
+class Aborted(Exception):
+    """The coordinator aborted the generation while this worker waited on a collective."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed (a peer's connection broke)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each segment (parameter tensor or loss) lives in a slot's flat vector."""
+    sizes: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def segments(self) -> int:
+        return len(self.sizes)
+
+    def segment_ids(self) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(self.segments), torch.tensor(self.sizes))
+
+
+def local_maxima(layout: Layout, slot_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float32[segments + 1]: max |value| per segment over these slots, then the non-finite
+    flag (1.0 if any value is NaN or infinite). Non-finite values count 0 in the maxima."""
+    maxima = torch.zeros(layout.segments + 1, dtype=torch.float32)
+    for v in slot_vectors:
+        finite = torch.isfinite(v)
+        if not bool(finite.all()):
+            maxima[-1] = 1.0
+            v = torch.where(finite, v, torch.zeros((), dtype=v.dtype))
+        parts = torch.split(v.abs(), list(layout.sizes))
+        m = torch.stack([p.max() if p.numel() else torch.zeros(()) for p in parts])
+        maxima[:-1] = torch.maximum(maxima[:-1], m)
+    return maxima
+
+
+def shifts(global_maxima: torch.Tensor, slots: int) -> torch.Tensor:
+    """int64[segments]: the power of two each segment is scaled by before rounding."""
+    headroom = max(0, math.ceil(math.log2(slots))) if slots > 1 else 0
+    out = []
+    for m in global_maxima[:-1].tolist():
+        e = math.frexp(m)[1] if m > 0 else 0  # m < 2**e
+        out.append(SHIFT_BASE - e - headroom)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def encode(layout: Layout, slot_vectors: Sequence[torch.Tensor], shift: torch.Tensor,
+           seg_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """int64[total]: the sum over these slots of round(value x 2^shift) (exact)."""
+    seg_ids = layout.segment_ids() if seg_ids is None else seg_ids
+    scale = torch.ldexp(torch.ones(layout.total, dtype=torch.float64), shift[seg_ids])
+    acc = torch.zeros(layout.total, dtype=torch.int64)
+    for v in slot_vectors:
+        acc += torch.round(v.to(torch.float64) * scale).to(torch.int64)
+    return acc
+
+
+def decode(layout: Layout, total: torch.Tensor, shift: torch.Tensor, slots: int,
+           seg_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """float32[total]: the mean over all slots from the all-reduced int64 sum."""
+    seg_ids = layout.segment_ids() if seg_ids is None else seg_ids
+    unscale = torch.ldexp(torch.ones(layout.total, dtype=torch.float64), -shift[seg_ids])
+    return (total.to(torch.float64) * unscale / slots).to(torch.float32)
+
+
+def reduce_local(layout: Layout, per_worker: Sequence[Sequence[torch.Tensor]], slots: int) -> torch.Tensor | None:
+    """The whole reduction without a network, for tests and for checking: `per_worker` is each
+    worker's list of slot vectors. None if any value is non-finite."""
+    m = torch.stack([local_maxima(layout, vs) for vs in per_worker]).max(dim=0).values
+    if m[-1] > 0:
+        return None
+    sh = shifts(m, slots)
+    total = sum(encode(layout, vs, sh) for vs in per_worker)
+    return decode(layout, total, sh, slots)
+
+
+# ----------------------------------------------------------------------------- on a process group
+
+def wait_work(work, should_abort: Callable[[], bool]) -> None:
+    """Wait on async collective work while watching for the coordinator's abort: poll
+    `is_completed()` (backing off from 50 us to 1 ms) so a survivor leaves at once instead of
+    sitting out a gloo timeout. Raises `Aborted`, or the collective's own error."""
+    delay = 5e-5
+    while not work.is_completed():
+        if should_abort():
+            raise Aborted()
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise CollectiveError(str(e)) from e
+
+
+def allreduce(pg, tensor: torch.Tensor, op, should_abort: Callable[[], bool]) -> torch.Tensor:
+    import torch.distributed as dist
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    wait_work(pg.allreduce([tensor], opts), should_abort)
+    return tensor
+
+
+def broadcast(pg, tensor: torch.Tensor, root: int, should_abort: Callable[[], bool]) -> torch.Tensor:
+    import torch.distributed as dist
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    opts.rootTensor = 0
+    wait_work(pg.broadcast([tensor], opts), should_abort)
+    return tensor
+
+
+class SlotReducer:
+    """The two-collective reduction of one step on a process group."""
+
+    def __init__(self, layout: Layout, slots: int, device: str = "cpu"):
+        self.layout = layout
+        self.slots = slots
+        self.seg_ids = layout.segment_ids()
+        self.device = device
+
+    def reduce(self, pg, slot_vectors: Sequence[torch.Tensor], should_abort: Callable[[], bool],
+               before_comm: Callable[[], None] = lambda: None) -> torch.Tensor | None:
+        """The mean over all slots of the run (float32[total]), or None when some slot anywhere
+        holds a non-finite value. `before_comm` runs before the first collective (the place
+        where injected network delay lives)."""
+        import torch.distributed as dist
+        m = local_maxima(self.layout, slot_vectors)
+        before_comm()
+        m = self._to_dev(m)
+        allreduce(pg, m, dist.ReduceOp.MAX, should_abort)
+        m = m.cpu()
+        if m[-1] > 0:
+            return None
+        sh = shifts(m, self.slots)
+        total = self._to_dev(encode(self.layout, slot_vectors, sh, self.seg_ids))
+        allreduce(pg, total, dist.ReduceOp.SUM, should_abort)
+        return decode(self.layout, total.cpu(), sh, self.slots, self.seg_ids)
+
+    def _to_dev(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.device == "cpu" else t.to(self.device)

@@ -1,0 +1,402 @@
+"""A worker: one process per node. It joins a coordinator by address, trains the slots each
+generation gives it, and survives the loss of its peers in place.
+
+    python -m runtime.worker --coordinator HOST:PORT [--node REGION/I]
+
+Launched by `keel run` (one per scenario node), by hand on other machines, or by torchrun
+(the node is then taken from RANK: the coordinator maps rank i to the i-th scenario node).
+
+Per generation it builds a fresh gloo group on `PrefixStore("gen{g}/", store)` (lazily
+connected, so forming it never blocks), receives the state by broadcast if it is behind,
+and steps: for each of its slots a forward/backward on that slot's micro-batch, then the
+deterministic two-collective reduction over all slots (reduction.py), then AdamW. Every wait
+on a collective polls for the coordinator's abort, so a lost peer never costs a timeout.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from runtime.inject import CommGate, kill_self, poisoned_at
+from runtime.protocol import Channel, parse_address
+from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, broadcast
+
+PG_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def _set_pdeathsig() -> None:
+    """Die with the parent (Linux): a worker spawned by `keel run` never outlives it."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class Worker:
+    def __init__(self, address: str, node: str | None, rank_hint: int | None):
+        host, port = parse_address(address)
+        sock = socket.create_connection((host, port), timeout=60)
+        sock.settimeout(None)
+        self.chan = Channel(sock)
+        self.chan.send({"type": "hello", "node": node, "rank_hint": rank_hint, "pid": os.getpid(),
+                        "host": socket.gethostname()})
+        welcome = self.chan.recv()
+        if welcome is None or welcome.get("type") != "welcome":
+            raise SystemExit(f"worker: no welcome from the coordinator at {address} (got {welcome!r})")
+        self.node = welcome["node"]
+        self.coord_host = host
+        self.run_info = welcome
+
+        from keel.scenario import from_dict
+        self.scenario = from_dict(welcome["scenario"], source=welcome.get("source", "<coordinator>"))
+        torch.set_num_threads(1)
+        torch.manual_seed(self.scenario.run.seed)
+        self.device = welcome.get("device", "cpu")
+
+        from runtime.data import Loader, ensure_dataset
+        from runtime.model import build_model, build_optimizer
+        sc = self.scenario
+        self.dataset = ensure_dataset(welcome.get("data_root"), shards=sc.data.shards)
+        self.loader = Loader(self.dataset, sc.run.seed, sc.model.context, sc.workload.micro_batch)
+        self.model = build_model(sc.model, sc.run.seed)
+        if self.device != "cpu":
+            self.model.to(self.device)
+        self.optimizer = build_optimizer(self.model, sc.model)
+        self.params = list(self.model.parameters())
+        self.layout = Layout(tuple(p.numel() for p in self.params) + (1,))
+        self.reducer = SlotReducer(self.layout, sc.slot_count, self.device)
+        self.total_steps = sc.run.steps
+        self.committed = 0  # a fresh worker holds the state of step 0 of a fresh run
+        self.quarantine: frozenset[int] = frozenset()
+
+        store_host = welcome.get("store_host") or host
+        import torch.distributed as dist
+        self.dist = dist
+        self.store = dist.TCPStore(store_host, int(welcome["store_port"]), None, False,
+                                   timeout=datetime.timedelta(seconds=300))
+        self.gloo_host = welcome.get("gloo_host") or ("127.0.0.1" if store_host in ("127.0.0.1", "localhost") else "")
+        self.pgs: list[Any] = []  # old groups stay referenced: destroying one mid-collective blocks
+        self.gate = CommGate(hash((sc.run.seed, self.node)) & 0xFFFFFFFF)
+        self.abort_gen = -1
+        self.gen = -1
+        self.acked_gen = -1
+        self.rank = -1
+        self.abort_event = threading.Event()
+        self.inbox: queue.Queue = queue.Queue()
+        self.standby = True
+        self.checkpointer = None
+        self._stalls: dict[int, float] = {}
+        threading.Thread(target=self._reader, daemon=True, name="reader").start()
+        threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
+        self.chan.send({"type": "joined", "committed": self.committed})
+
+    # ------------------------------------------------------------------------- control threads
+
+    def _reader(self) -> None:
+        while True:
+            msg = self.chan.recv()
+            if msg is None:  # the coordinator is gone: nothing left to do
+                os._exit(3)
+            kind = msg.get("type")
+            if kind == "abort":
+                self.abort_gen = max(self.abort_gen, int(msg["gen"]))
+                self.abort_event.set()
+                self.inbox.put(msg)
+            elif kind == "jitter":
+                self.gate.set_jitter(float(msg["spike_ms"]), float(msg["duration_s"]))
+            elif kind == "kill":
+                kill_self()
+            else:
+                self.inbox.put(msg)
+
+    def _heartbeat(self) -> None:
+        period = self.scenario.policy.heartbeat_s
+        while True:
+            msg: dict[str, Any] = {"type": "hb"}
+            if self.standby:
+                msg["probe_s"] = self.gate.pass_through()
+            if not self.chan.send(msg):
+                return
+            time.sleep(period)
+
+    # ------------------------------------------------------------------------- main loop
+
+    def serve(self) -> None:
+        while True:
+            msg = self.inbox.get()
+            kind = msg.get("type")
+            if kind == "abort":
+                g = int(msg["gen"])
+                if g == self.gen and self.acked_gen < g:  # aborted while idle (done, or between steps)
+                    self.chan.send({"type": "aborted", "gen": g, "committed": self.committed})
+                    self.acked_gen = g
+            elif kind == "gen":
+                self.run_generation(msg)
+            elif kind == "standby":
+                self.standby = True
+            elif kind == "stop":
+                self._finish_checkpoint()
+                self.chan.send({"type": "bye"})
+                time.sleep(0.05)
+                os._exit(0)
+
+    def aborted(self, gen: int) -> bool:
+        return self.abort_gen >= gen
+
+    def run_generation(self, msg: dict[str, Any]) -> None:
+        g, rank, world = int(msg["gen"]), int(msg["rank"]), int(msg["world"])
+        self.gen = g
+        if self.aborted(g):
+            self.chan.send({"type": "aborted", "gen": g, "committed": self.committed})
+            self.acked_gen = g
+            return
+        if self.abort_gen < g:
+            self.abort_event.clear()
+        self.gen = g
+        self.standby = False
+        self.quarantine = frozenset(msg.get("quarantine", ()))
+        self.poison = [list(p) for p in msg.get("poison", [])]
+        self.slots = list(msg["slots"])
+        self.members = list(msg["members"])
+        self.slot_map = msg["slot_map"]
+        should_abort = lambda: self.abort_gen >= g  # noqa: E731
+        t0 = time.perf_counter()
+        try:
+            pg = self._make_group(g, rank, world)
+            t_pg = time.perf_counter() - t0
+            if msg.get("load") and rank == msg["source"]:
+                self._load_checkpoint(msg["load"])
+            t1 = time.perf_counter()
+            if msg.get("broadcast"):
+                self._broadcast_state(pg, int(msg["source"]), should_abort)
+            self.committed = int(msg["start_step"])
+            t_state = time.perf_counter() - t1
+            self.chan.send({"type": "ready", "gen": g, "pg_s": t_pg, "state_s": t_state})
+            self.rank = rank
+            self._train(pg, g, should_abort)
+        except Aborted:
+            self.chan.send({"type": "aborted", "gen": g, "committed": self.committed})
+            self.acked_gen = g
+            return
+        except CollectiveError as e:  # a collective failed (a peer died): wait for the abort
+            deadline = time.monotonic() + PG_TIMEOUT.total_seconds()
+            while not should_abort() and time.monotonic() < deadline:
+                self.abort_event.wait(0.01)
+            self.chan.send({"type": "aborted", "gen": g, "committed": self.committed,
+                            "error": str(e).splitlines()[0][:200]})
+            self.acked_gen = g
+
+    def _make_group(self, g: int, rank: int, world: int):
+        dist = self.dist
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.gloo_host, lazy_init=True)]
+        opts._timeout = PG_TIMEOUT
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{g}/", self.store), rank, world, opts)
+        self.pgs.append(pg)
+        return pg
+
+    # ------------------------------------------------------------------------- state
+
+    def _state_tensors(self, with_optimizer: bool) -> list[torch.Tensor]:
+        out = [p.data for p in self.params]
+        if with_optimizer:
+            for p in self.params:
+                st = self.optimizer.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+                out += [st["exp_avg"], st["exp_avg_sq"], st["step"].reshape(1)]
+        return out
+
+    def _broadcast_state(self, pg, source: int, should_abort) -> None:
+        """Weights and AdamW state from the live peer `source`, in one flat float32 tensor
+        (bytes copied, so bit-exact)."""
+        has_opt = torch.tensor([float(bool(self.optimizer.state))])
+        broadcast(pg, has_opt, source, should_abort)
+        tensors = self._state_tensors(bool(has_opt.item()))
+        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        if self.device != "cpu":
+            flat = flat.to(self.device)
+        broadcast(pg, flat, source, should_abort)
+        flat = flat.cpu()
+        with torch.no_grad():
+            off = 0
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[off:off + n].view_as(t).to(t.dtype))
+                off += n
+        if not has_opt.item():
+            self.optimizer.state.clear()
+
+    def _load_checkpoint(self, path: str) -> None:
+        from runtime import checkpoint as ck
+        loaded = ck.load_checkpoint(path, config_hash=self.run_info["config_hash"],
+                                    config=self.run_info["scenario"],
+                                    allow_config_change=bool(self.run_info.get("allow_config_change")))
+        loaded.apply_to(self.model, self.optimizer)
+        ck.restore_rng(loaded.rng)
+
+    # ------------------------------------------------------------------------- training
+
+    def _train(self, pg, g: int, should_abort) -> None:
+        from runtime.model import slot_loss
+        while self.committed < self.total_steps:
+            step = self.committed  # 0-based index of the step being computed
+            if should_abort():
+                raise Aborted()
+            t0 = time.perf_counter()
+            poisoned = poisoned_at(self.poison, step)
+            vectors, suspects = [], set()
+            for slot in self.slots:
+                b = self.loader.batch(step, slot, self.quarantine, poisoned)
+                x, y, w = b.x, b.y, b.w
+                if self.device != "cpu":
+                    x, y, w = x.to(self.device), y.to(self.device), w.to(self.device)
+                self.model.zero_grad(set_to_none=True)
+                loss = slot_loss(self.model, x, y, w)
+                loss.backward()
+                vec = torch.cat([p.grad.reshape(-1) for p in self.params] + [loss.detach().reshape(1)]).cpu()
+                if not bool(torch.isfinite(vec).all()):
+                    bad = [s for s, wi in zip(b.shards, w.cpu().tolist()) if wi != wi]
+                    suspects.update(bad)
+                vectors.append(vec)
+            t_compute = time.perf_counter() - t0
+            gate_s = [0.0]
+
+            def before_comm() -> None:
+                gate_s[0] = self.gate.pass_through(self.abort_event)
+                if should_abort():
+                    raise Aborted()
+            mean = self.reducer.reduce(pg, vectors, should_abort, before_comm)
+            t_ready = t_compute + gate_s[0]
+            if mean is None:
+                self._nonfinite(g, step, sorted(suspects), should_abort)
+                continue  # redo the step with the new quarantine set
+            with torch.no_grad():
+                off = 0
+                for p in self.params:
+                    n = p.numel()
+                    p.grad = mean[off:off + n].view_as(p).to(p.device).clone()
+                    off += n
+            self.optimizer.step()
+            self.committed = step + 1
+            t_total = time.perf_counter() - t0
+            self.chan.send({"type": "step", "gen": g, "step": self.committed, "loss": float(mean[-1]),
+                            "ready_s": t_ready, "compute_s": t_compute, "total_s": t_total,
+                            "slots": len(self.slots)})
+            if self.rank == 0 and self.committed % self.scenario.checkpoint.interval_steps == 0:
+                self._checkpoint(g)
+        self._finish_checkpoint()
+        from runtime.model import weights_sha256
+        self.chan.send({"type": "done", "gen": g, "committed": self.committed,
+                        "sha256": weights_sha256(self.model)})
+
+    def _nonfinite(self, g: int, step: int, suspects: list[int], should_abort) -> None:
+        """No non-finite value reaches the weights: report, wait for the coordinator's
+        quarantine decision, then the caller redoes the step."""
+        self.chan.send({"type": "nonfinite", "gen": g, "step": step, "suspects": suspects})
+        deferred = []
+        try:
+            while True:
+                if should_abort():
+                    raise Aborted()
+                try:
+                    msg = self.inbox.get(timeout=0.005)
+                except queue.Empty:
+                    continue
+                if msg.get("type") == "quarantine" and int(msg["gen"]) == g:
+                    self.quarantine = frozenset(msg["shards"])
+                    return
+                deferred.append(msg)
+        finally:
+            for msg in deferred:
+                self.inbox.put(msg)
+
+    # ------------------------------------------------------------------------- checkpoints
+
+    def _checkpoint_args(self, g: int) -> dict[str, Any]:
+        from runtime import checkpoint as ck
+        sc = self.scenario
+        topology = {"generation": g, "members": self.members, "slot_map": self.slot_map,
+                    "slots": sc.slot_count,
+                    "regions": [{"name": r.name, "nodes": r.nodes} for r in sc.regions]}
+        return dict(step=self.committed, model=self.model, optimizer=self.optimizer,
+                    rng=ck.capture_rng(), data_state=self.loader.state(self.committed, self.quarantine),
+                    config_hash=self.run_info["config_hash"], config=self.run_info["scenario"],
+                    topology=topology)
+
+    def _checkpoint(self, g: int) -> None:
+        """The lowest rank writes every `checkpoint.interval_steps`: async mode snapshots at the
+        step boundary (the measured stall) and writes in the background."""
+        from runtime import checkpoint as ck
+        sc = self.scenario
+        step = self.committed
+        run_dir = os.path.join(self.run_info["out_dir"], "checkpoints")
+        self.chan.send({"type": "ckpt_start", "step": step, "mode": sc.checkpoint.mode})
+        t0 = time.perf_counter()
+        if sc.checkpoint.mode == "async":
+            if self.checkpointer is None:
+                self.checkpointer = ck.AsyncCheckpointer(run_dir, keep=sc.checkpoint.keep, on_done=self._ckpt_done)
+            stall = self.checkpointer.snapshot_and_submit(**self._checkpoint_args(g))
+            self._stalls[step] = float(stall)
+        else:
+            try:
+                path = ck.save_checkpoint(run_dir, keep=sc.checkpoint.keep, **self._checkpoint_args(g))
+                err = None
+            except Exception as e:
+                path, err = None, e
+            stall = time.perf_counter() - t0
+            self._stalls[step] = stall
+            self._ckpt_done(step, path, stall, err)
+
+    def _ckpt_done(self, step: int, path, write_s: float, error) -> None:
+        msg = {"type": "ckpt_end", "step": step, "stall_s": self._stalls.pop(step, None), "write_s": write_s,
+               "path": str(path) if path else None}
+        if error is not None:
+            msg["error"] = str(error)[:300]
+        self.chan.send(msg)
+
+    def _finish_checkpoint(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime.worker")
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    p.add_argument("--node", default=None, help="scenario node name (default: from RANK, or the coordinator's choice)")
+    p.add_argument("--die-with-parent", action="store_true")
+    args = p.parse_args(argv)
+    if args.die_with_parent:
+        _set_pdeathsig()
+    rank_hint = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
+    try:
+        worker = Worker(args.coordinator, args.node or os.environ.get("KEEL_NODE"), rank_hint)
+    except (ConnectionError, OSError) as e:
+        print(f"worker: cannot reach the coordinator at {args.coordinator}: {e}", file=sys.stderr)
+        return 1
+    try:
+        worker.serve()
+    except Exception:
+        traceback.print_exc()
+        worker.chan.send({"type": "error", "message": traceback.format_exc()[-2000:]})
+        sys.stderr.flush()
+        os._exit(1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
