@@ -38,6 +38,7 @@ UNITS = {
     "spare_takeover_s": "s", "ckpt_snapshot_gbyte_s": "GB/s", "ckpt_write_gbyte_s": "GB/s",
     "ckpt_read_gbyte_s": "GB/s", "restart_s": "s",
 }
+OPTIONAL = {"spike_rounds": "rounds"}  # the twin takes it where given
 PRIMITIVES = tuple(UNITS)
 
 
@@ -305,70 +306,78 @@ def _first_commit_after(events: Sequence[Any], t: float) -> float | None:
     return next((e.t for e in events if e.kind == "step" and e.t > t), None)
 
 
-def run_runtime(scenario: S.Scenario, out_dir: Path, env: Mapping[str, str] | None = None) -> tuple[dict, list]:
+def run_runtime(scenario: S.Scenario, out_dir: Path, hangs: str | None = None) -> tuple[dict, list]:
     from keel.events import read_events
     from runtime.api import run_scenario
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        summary = run_scenario(scenario, out_dir, progress=False)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    summary = run_scenario(scenario, out_dir, progress=False, hangs=hangs)
     return summary, read_events(Path(out_dir) / "events.jsonl")
 
 
-def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int,
+def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, transfer_gbyte_s: float,
                         progress: Callable[[str], None]) -> dict[str, list[float]]:
-    """Kill a worker (the spare takes over) and hang another, `reps` runs; one killed worker
-    under checkpoint_restart, `reps` runs. Durations from the event logs."""
+    """Real runs of the local scenario's shape. Absorb runs (`reps`): a training worker is
+    SIGKILLed and the hot spare takes over, later another is SIGSTOPped (no spare left, the
+    survivors take its slots). checkpoint_restart runs (`max(1, reps - 1)`): a worker is killed.
+
+    From each episode: detection = detect - fault; after detection, the time to the first
+    commit minus the one redone step and the modelled state copy is the twin's pause:
+    reform_s for the survivors-only episode (the hang), reform_s + spare_takeover_s for the
+    spare's. restart_s = first commit after the restart - restart - one step."""
     trained = base.node_names[: base.training_nodes]
     kill_at, hang_at = max(2, steps // 5), max(4, (3 * steps) // 5)
     kill_target, hang_target = trained[1], trained[2]
+    per_slot_copy_s = (base.checkpoint.weights_bytes + base.checkpoint.optimizer_bytes) / base.slot_count \
+        / (transfer_gbyte_s * 1e9)
+    spike_at, spike_s = max(3, (2 * steps) // 5), 0.1
+    spike_target = trained[3]
+    # a spike long enough for a few steps; straggler_factor high, so its slots stay and every
+    # step it lasts shows the delay
     sc = calibration_scenario(base, steps=steps, schedule=[
-        {"at_step": kill_at, "class": "hardware_fault", "target": kill_target}])
+        {"at_step": kill_at, "class": "hardware_fault", "target": kill_target},
+        {"at_step": spike_at, "class": "network_jitter", "target": spike_target,
+         "spike_ms": spike_s * 1e3, "duration_s": 1.0}],
+        overrides={"policy.straggler_factor": 100.0})
     out: dict[str, list[float]] = {k: [] for k in ("detect_kill_s", "detect_hang_s", "reform_s",
-                                                 "spare_takeover_s", "step_time_s", "restart_s")}
+                                                 "spare_takeover_s", "step_time_s", "restart_s",
+                                                 "spike_rounds")}
     for rep in range(reps):
-        progress(f"runtime run {rep + 1}/{reps}: a killed worker taken over by the spare, a hung worker")
-        summary, events = run_runtime(sc, workdir / f"absorb-{rep}", {"KEEL_INJECT_HANG": f"{hang_target}@{hang_at}"})
-        out["step_time_s"].append(float(summary["step_time_s"]))
+        progress(f"runtime run {rep + 1}/{reps}: {kill_target} killed (the spare takes over), "
+                 f"a {spike_s * 1e3:.0f} ms spike on {spike_target}, {hang_target} hung")
+        summary, events = run_runtime(sc, workdir / f"absorb-{rep}", hangs=f"{hang_target}@{hang_at}")
+        step = float(summary["step_time_s"])
+        out["step_time_s"].append(step)
+        pause = {}
         for fid, ep in _episode_times(events).items():
             t = ep["t"]
-            if "fault" not in t or "detect" not in t:
+            if ep["class"] == "network_jitter" and "fault" in t:
+                until = t["fault"] + float(ep["detail"]["fault"].get("duration_s", 1.0))
+                commits = [e.t for e in events if e.kind == "step" and t["fault"] < e.t <= until]
+                slow = [b - a for a, b in zip(commits, commits[1:])]  # whole steps inside the spike
+                if slow:
+                    out["spike_rounds"].append(max(0.0, (statistics.median(slow) - step) / spike_s))
                 continue
+            if not {"fault", "detect", "recover_end"} <= set(t):
+                continue
+            mode = ep["detail"]["fault"].get("mode")
             detect = t["detect"] - t["fault"]
-            hung = ep["detail"]["fault"].get("mode") == "hang" or ep["class"] is None or ep["target"] == hang_target
-            if hung:
-                out["detect_hang_s"].append(detect)
-                continue
-            out["detect_kill_s"].append(detect)
-            if "recover_start" in t and "recover_end" in t:
-                rec = ep["detail"]["recover_end"]
-                if "reform_s" in rec:
-                    out["reform_s"].append(float(rec["reform_s"]))
-                else:
-                    out["reform_s"].append(t["recover_end"] - t["recover_start"])
-                if "takeover_s" in rec:
-                    out["spare_takeover_s"].append(float(rec["takeover_s"]))
+            pause[mode] = t["recover_end"] - t["detect"] - step - per_slot_copy_s
+            out["detect_hang_s" if mode == "hang" else "detect_kill_s"].append(detect)
+        if "hang" in pause:
+            out["reform_s"].append(max(0.0, pause["hang"]))
+            if "kill" in pause:
+                out["spare_takeover_s"].append(max(0.0, pause["kill"] - pause["hang"]))
     cr = calibration_scenario(base, steps=steps, schedule=[
-        {"at_step": kill_at + max(1, steps // 6), "class": "hardware_fault", "target": kill_target}],
+        {"at_step": kill_at, "class": "hardware_fault", "target": kill_target}],
         overrides={"policy.kind": "checkpoint_restart"})
     for rep in range(max(1, reps - 1)):
-        progress(f"runtime run {rep + 1}/{max(1, reps - 1)}: a killed worker under checkpoint_restart")
+        progress(f"runtime run {rep + 1}/{max(1, reps - 1)}: {kill_target} killed under checkpoint_restart")
         summary, events = run_runtime(cr, workdir / f"restart-{rep}")
+        step = float(summary["step_time_s"])
         for fid, ep in _episode_times(events).items():
-            t = ep["t"]
-            if "restart" in t:
-                resumed = _first_commit_after(events, t["restart"])
-                rec = ep["detail"].get("restart", {})
-                if "restart_s" in rec:
-                    out["restart_s"].append(float(rec["restart_s"]))
-                elif resumed is not None:
-                    out["restart_s"].append(resumed - t["restart"])
+            if "restart" in ep["t"]:
+                resumed = _first_commit_after(events, ep["t"]["restart"])
+                if resumed is not None:
+                    out["restart_s"].append(max(0.0, resumed - ep["t"]["restart"] - step))
     return out
 
 
@@ -379,9 +388,9 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
     """Measure every primitive; the object `calibration.json` holds."""
     from keel.cli import LOCAL_SCENARIO
     base = base or S.load(LOCAL_SCENARIO)
-    reps = 3 if quick else 7
-    run_reps = 1 if quick else 3
-    run_steps = 16 if quick else 30
+    reps = 3 if quick else 5
+    run_reps = 1 if quick else 2
+    run_steps = 20 if quick else 30
     world = base.training_nodes
     started = time.perf_counter()
 
@@ -402,33 +411,49 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
                     for i in range(len(group[0]["state_transfer_s"]))]
         say("checkpoint snapshot, write and read")
         ckpt = checkpoint_throughput(base, reps, work)
-        rec = recovery_primitives(base, run_reps, work / "runs", run_steps, say)
+        rec = recovery_primitives(base, run_reps, work / "runs", run_steps, statistics.median(transfer), say)
     finally:
         if tmp is not None:
             tmp.cleanup()
 
+    # The level of the reduction comes from the real runs, its shape from the micro-benchmark:
+    # in situ, reduction = fault-free step time - the slowest worker's compute; the benchmark's
+    # fit (latency + bytes / bandwidth) is scaled to it where it came out slower (a benchmark
+    # among idle processes on a shared machine pays scheduling skew the training loop hides),
+    # and where it came out faster the rest is per-step overhead.
     slot_compute = statistics.median(compute)
-    reduce_s = statistics.median(lat) + base.workload.gradient_bytes / (statistics.median(bw) * 1e9)
     slots_per_worker = -(-base.slot_count // world)
-    overhead = [max(0.0, st - slots_per_worker * slot_compute - reduce_s) for st in rec["step_time_s"]]
+    micro_reduce_s = statistics.median(lat) + base.workload.gradient_bytes / (statistics.median(bw) * 1e9)
+    lat_s, bw_s, overhead = [], [], []
+    for st in rec["step_time_s"]:
+        in_situ = st - slots_per_worker * slot_compute
+        scale = min(1.0, max(in_situ, 1e-6) / micro_reduce_s)
+        lat_s += [x * scale for x in lat]
+        bw_s += [x / scale for x in bw]
+        overhead.append(max(0.0, in_situ - micro_reduce_s))
     primitives = {
         "slot_compute_s": entry(compute, "s", how="one slot's forward+backward, real model and data, one process at a time"),
         "step_overhead_s": entry(overhead, "s", how="runtime fault-free step time - slots x slot_compute - reduction",
                                  step_time_s=rec["step_time_s"], slots_per_worker=slots_per_worker),
-        "reduce_latency_s": entry(lat, "s", how=f"runtime.reduction over {world} gloo processes, affine fit",
-                                  world_size=world, median_s_per_gradient_bytes=per_size),
-        "reduce_gbyte_s": entry(bw, "GB/s", how="float32 gradient bytes / the fit's bandwidth term", world_size=world),
+        "reduce_latency_s": entry(lat_s, "s", how=f"runtime.reduction over {world} gloo processes, affine fit, "
+                                  "level scaled to the runs' in-situ reduction", world_size=world,
+                                  micro_benchmark=entry(lat, "s"), median_s_per_gradient_bytes=per_size),
+        "reduce_gbyte_s": entry(bw_s, "GB/s", how="float32 gradient bytes / the fit's bandwidth term (scaled alike)",
+                                world_size=world, micro_benchmark=entry(bw, "GB/s")),
         "state_transfer_gbyte_s": entry(transfer, "GB/s", how="broadcast of weights + optimizer state over gloo",
                                         bytes=state_bytes, world_size=world),
         "ckpt_snapshot_gbyte_s": entry(ckpt["ckpt_snapshot_gbyte_s"], "GB/s", how="runtime.checkpoint.take_snapshot"),
         "ckpt_write_gbyte_s": entry(ckpt["ckpt_write_gbyte_s"], "GB/s", how="runtime.checkpoint.write_snapshot (fsynced)"),
         "ckpt_read_gbyte_s": entry(ckpt["ckpt_read_gbyte_s"], "GB/s", how="runtime.checkpoint.load_checkpoint (verified)"),
     }
+    if rec["spike_rounds"]:
+        primitives["spike_rounds"] = entry(rec["spike_rounds"], "rounds",
+                                           how="(step interval during a spike - fault-free step) / spike, runtime runs")
     for name, how in (("detect_kill_s", "detect - fault of a SIGKILLed worker, runtime runs"),
                       ("detect_hang_s", "detect - fault of a SIGSTOPped worker, runtime runs"),
-                      ("reform_s", "survivors re-form the group, runtime runs"),
-                      ("spare_takeover_s", "hot spare joins and takes over, runtime runs"),
-                      ("restart_s", "checkpoint_restart relaunch and rendezvous, runtime runs")):
+                      ("reform_s", "hung worker: detect to first commit - one step - state copy, runtime runs"),
+                      ("spare_takeover_s", "killed worker, spare takes over: the same, minus reform_s"),
+                      ("restart_s", "checkpoint_restart: restart to first commit - one step, runtime runs")):
         if rec[name]:
             primitives[name] = entry(rec[name], "s", how=how)
     missing = [p for p in PRIMITIVES if p not in primitives]
@@ -460,7 +485,7 @@ def write(calibration: Mapping[str, Any], path: str | Path) -> Path:
 def table(calibration: Mapping[str, Any]) -> str:
     lines = [f"calibration on {calibration['machine']['hostname']} ({calibration['machine']['cpu_count']} CPUs, "
              f"torch {calibration['versions']['torch']}), {calibration['duration_s']} s"]
-    for name in PRIMITIVES:
+    for name in (*PRIMITIVES, *OPTIONAL):
         e = calibration["primitives"].get(name)
         if e is None:
             lines.append(f"  {name:<24} (not measured)")

@@ -64,7 +64,12 @@ def plan(args: Any) -> int:
             raise InputError(f"{scenario.source}: --validate runs the policies on the runtime here; expected a "
                              f"local scenario of at most {LOCAL_MAX_NODES} nodes (such as scenarios/local-8.toml), "
                              f"got {scenario.total_nodes}")
-    result = search.run_plan(scenario, trials=trials, replicas=replicas, ray_address=args.ray, progress=True)
+    calibration = None
+    if getattr(args, "calibration", None):  # where keel/cli.py offers plan --calibration
+        from twin.params import load_calibration
+        calibration = load_calibration(args.calibration)
+    result = search.run_plan(scenario, trials=trials, replicas=replicas, ray_address=args.ray,
+                             calibration=calibration, progress=True)
     out = Path(args.out) if args.out else None
     if args.validate:
         from planner.validate import check_plan

@@ -1,0 +1,91 @@
+"""The planner against the real runtime: calibrate measures a complete file, validate passes
+its default tolerances on scenarios/local-8.toml, plan --validate confirms the predicted
+ordering. Real processes; every test has a timeout."""
+import datetime
+import importlib.util
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import SCENARIOS, keel_cmd
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("runtime.api") is None,
+                                reason="runtime.api (the runtime's entry point) is not there yet")
+
+PRIMITIVES = ("slot_compute_s", "reduce_latency_s", "reduce_gbyte_s", "detect_kill_s", "detect_hang_s",
+              "reform_s", "state_transfer_gbyte_s", "spare_takeover_s", "ckpt_snapshot_gbyte_s",
+              "ckpt_write_gbyte_s", "ckpt_read_gbyte_s", "restart_s", "step_overhead_s")
+
+
+def _keel(*args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(keel_cmd(*args), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory):
+    """One quick calibration, shared by the tests below (it takes a few real runs)."""
+    path = tmp_path_factory.mktemp("calibration") / "calibration.json"
+    p = _keel("calibrate", "--out", str(path), "--json", timeout=480, env={"KEEL_CALIBRATE_QUICK": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    return path, json.loads(p.stdout)
+
+
+@pytest.mark.timeout(540)
+def test_calibrate_writes_a_complete_file(calibration):
+    path, printed = calibration
+    cal = json.loads(path.read_text())
+    assert cal == printed
+    for name in PRIMITIVES:
+        e = cal["primitives"][name]
+        assert e["unit"] in ("s", "GB/s"), name
+        assert e["samples"] and all(isinstance(x, float) for x in e["samples"]), name
+        assert e["spread"][0] <= e["median"] <= e["spread"][1], name
+        assert e["median"] >= 0 and (e["unit"] == "s" or e["median"] > 0), name
+    assert cal["missing"] == []
+    assert cal["primitives"]["detect_hang_s"]["median"] > cal["primitives"]["detect_kill_s"]["median"]
+    assert {"platform", "cpu_count", "hostname"} <= set(cal["machine"])
+    assert {"python", "torch", "numpy"} <= set(cal["versions"])
+    assert datetime.datetime.fromisoformat(cal["created"]).tzinfo is not None
+    from twin.params import TwinParams, load_calibration
+    from keel import scenario as S
+    params = TwinParams.from_scenario(S.load(SCENARIOS / "local-8.toml"), load_calibration(path))
+    assert set(PRIMITIVES) <= set(params.calibrated)
+
+
+@pytest.mark.timeout(540)
+def test_validate_local_8_passes_its_tolerances(calibration, tmp_path):
+    path, _ = calibration
+    out = tmp_path / "validate"
+    p = _keel("validate", str(SCENARIOS / "local-8.toml"), "--calibration", str(path), "--out", str(out), "--json",
+              timeout=500)
+    comparison = json.loads(p.stdout)
+    assert json.loads((out / "comparison.json").read_text()) == comparison
+    assert (out / "twin" / "events.jsonl").exists() and (out / "twin" / "summary.json").exists()
+    for k in range(comparison["repetitions"]):
+        assert (out / "runtime" / f"rep-{k}" / "events.jsonl").exists()
+    assert comparison["repetitions"] == 3 and comparison["calibration_source"] == "given"
+    assert {f["class"] for f in comparison["faults"]} == {"hardware_fault", "network_jitter",
+                                                           "partial_cluster_loss", "data_shard_skew"}
+    for f in comparison["faults"]:
+        assert len(f["observed"]["downtime_s_reps"]) == 3
+        lo, hi = f["predicted"]["downtime_ci95"]
+        assert lo <= f["predicted"]["downtime_s"] <= hi
+    summary = "; ".join(f"{f['class']} {f['downtime_rel_err']:.0%}" for f in comparison["faults"])
+    assert comparison["pass"]["all"], (f"downtime median error {comparison['downtime_median_rel_err']:.1%} "
+                                       f"({summary}), wall error {comparison['wall_s']['rel_err']:.1%}")
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+@pytest.mark.timeout(540)
+def test_plan_validate_confirms_the_ordering_on_the_runtime(tmp_path):
+    p = _keel("plan", str(SCENARIOS / "local-8.toml"), "--trials", "6", "--replicas", "2", "--validate",
+              "--out", str(tmp_path), "--json", timeout=500)
+    assert p.returncode == 0, p.stderr[-3000:]
+    v = json.loads(p.stdout)["validation"]
+    assert v["baseline"]["policy"]["policy.kind"] == "checkpoint_restart"
+    assert v["predicted_order"] == v["observed_order"] == "recommended"
+    assert v["ordering_matches"]
+    assert v["baseline"]["restarts"] >= 1 and v["recommended"]["restarts"] == 0
