@@ -20,6 +20,9 @@ MARK_SHAPES = {"fault": "cross", "detect": "triangle-down", "recover_start": "di
 WIDTH = 640
 
 
+PAD = alt.AutoSizeParams(type="pad", contains="padding")  # sizes are the plot's; Streamlit would fit legends in
+
+
 def _scale(mapping: dict[str, str]) -> alt.Scale:
     return alt.Scale(domain=list(mapping), range=list(mapping.values()))
 
@@ -41,15 +44,15 @@ def topology_chart(scenario: Scenario) -> alt.LayerChart:
         x=alt.X("mx:Q", axis=axis), y=alt.Y("my:Q", axis=axis), text="label:N")
     nodes = alt.Chart(alt.Data(values=f["nodes"])).mark_point(size=70, filled=True).encode(
         x=x, y=y,
-        color=alt.Color("region:N", legend=alt.Legend(title="region", orient="right")),
+        color=alt.Color("region:N", legend=alt.Legend(title="region", orient="bottom")),
         shape=alt.Shape("role:N", scale=alt.Scale(domain=["training", "hot spare"], range=["circle", "diamond"]),
-                        legend=alt.Legend(title="node")),
+                        legend=alt.Legend(title="node", orient="bottom")),
         tooltip=["node:N", "region:N", "role:N"])
     region_labels = alt.Chart(alt.Data(values=f["regions"])).mark_text(fontSize=12, fontWeight="bold", dy=-48).encode(
         x=x, y=y, text="label:N",
         tooltip=["region:N", "nodes:Q", "gpus:Q", alt.Tooltip("intra_gbit_s:Q", title="intra Gbit/s")])
     return alt.layer(links, link_labels, nodes, region_labels).properties(
-        width=WIDTH, height=460, title=f"{scenario.run.name}: {scenario.total_nodes} nodes in {len(scenario.regions)} regions")
+        autosize=PAD, width=520, height=440, title=f"{scenario.run.name}: {scenario.total_nodes} nodes in {len(scenario.regions)} regions")
 
 
 # ----------------------------------------------------------------------------- timelines
@@ -66,14 +69,16 @@ def timeline_chart(events: Sequence[Event], summary: dict[str, Any] | None = Non
     y = alt.Y("lane:N", sort=lanes, title=None, scale=alt.Scale(domain=lanes))
     bars = alt.Chart(alt.Data(values=tl["bars"])).mark_bar(height={"band": 0.7}, cornerRadius=2).encode(
         x=alt.X("start:Q", title="time since run start (s)", scale=xscale), x2="end:Q", y=y,
-        color=alt.Color("state:N", scale=_scale(STATE_COLOURS), legend=alt.Legend(title="state")),
+        color=alt.Color("state:N", scale=_scale(STATE_COLOURS),
+                        legend=alt.Legend(title="state", orient="bottom", direction="horizontal", columns=4)),
         tooltip=["label:N", alt.Tooltip("start:Q", format=".3f"), alt.Tooltip("end:Q", format=".3f")])
     marks = alt.Chart(alt.Data(values=tl["marks"] or [{"lane": data.RUN_LANE, "t": 0.0, "kind": "fault"}]),
                       ).mark_point(size=80, filled=True, color="black", opacity=1 if tl["marks"] else 0).encode(
         x=alt.X("t:Q", scale=xscale), y=y,
-        shape=alt.Shape("kind:N", scale=_scale(MARK_SHAPES), legend=alt.Legend(title="event")),
+        shape=alt.Shape("kind:N", scale=_scale(MARK_SHAPES),
+                        legend=alt.Legend(title="event", orient="bottom", direction="horizontal", columns=3)),
         tooltip=["kind:N", alt.Tooltip("t:Q", format=".3f"), "step:Q", "fault_id:Q", "class:N", "target:N", "action:N"])
-    return alt.layer(bars, marks).properties(width=WIDTH, height=max(60, 28 * len(lanes)), title=title)
+    return alt.layer(bars, marks).properties(autosize=PAD, width=WIDTH, height=max(60, 28 * len(lanes)), title=title)
 
 
 def aligned_timelines(runs: dict[str, tuple[Sequence[Event], dict[str, Any]]]) -> alt.VConcatChart:
@@ -82,7 +87,9 @@ def aligned_timelines(runs: dict[str, tuple[Sequence[Event], dict[str, Any]]]) -
     ends = [max((e.t for e in ev), default=0.0) for ev, _ in runs.values()]
     domain = [0.0, max(ends, default=1.0) or 1.0]
     charts = [timeline_chart(ev, s, title=label, x_domain=domain) for label, (ev, s) in runs.items()]
-    return alt.vconcat(*charts).resolve_scale(x="shared", color="shared", shape="shared")
+    for chart in charts:
+        chart.autosize = alt.Undefined  # set once, on the concatenation
+    return alt.vconcat(*charts, autosize=PAD).resolve_scale(x="shared", color="shared", shape="shared")
 
 
 def progress_chart(runs: dict[str, Sequence[Event]]) -> alt.Chart:
@@ -91,7 +98,7 @@ def progress_chart(runs: dict[str, Sequence[Event]]) -> alt.Chart:
     return alt.Chart(alt.Data(values=rows)).mark_line(interpolate="step-after").encode(
         x=alt.X("t:Q", title="time since run start (s)"), y=alt.Y("step:Q", title="steps committed"),
         color=alt.Color("run:N", title=None), tooltip=["run:N", "t:Q", "step:Q"],
-    ).properties(width=WIDTH, height=220, title="progress")
+    ).properties(autosize=PAD, width=WIDTH, height=220, title="progress")
 
 
 # ----------------------------------------------------------------------------- per run
@@ -105,10 +112,10 @@ def downtime_chart(summaries: dict[str, dict[str, Any]]) -> alt.Chart:
     return alt.Chart(alt.Data(values=rows)).mark_bar().encode(
         x=alt.X("fault:N", title="fault", sort=None), xOffset="run:N",
         y=alt.Y("downtime_s:Q", title="downtime (s)"),
-        color=alt.Color("run:N", title=None),
+        color=alt.Color("run:N", legend=alt.Legend(title=None, orient="bottom")),
         tooltip=["run:N", "fault:N", "target:N", "action:N", alt.Tooltip("downtime_s:Q", format=".3f"),
                  alt.Tooltip("cost_s:Q", format=".3f")],
-    ).properties(width=WIDTH, height=240, title="downtime per fault")
+    ).properties(autosize=PAD, width=420, height=240, title="downtime per fault")
 
 
 def goodput_chart(summaries: dict[str, dict[str, Any]]) -> alt.LayerChart:
@@ -125,7 +132,7 @@ def goodput_chart(summaries: dict[str, dict[str, Any]]) -> alt.LayerChart:
     err = base.mark_errorbar(color="black").encode(y=alt.Y("run:N", sort=None), x="lo:Q", x2="hi:Q")
     text = base.mark_text(align="left", dx=4).encode(y=alt.Y("run:N", sort=None), x="goodput:Q",
                                                      text=alt.Text("goodput:Q", format=".3f"))
-    return alt.layer(bars, err, text).properties(width=WIDTH, height=40 + 30 * len(rows), title="goodput")
+    return alt.layer(bars, err, text).properties(autosize=PAD, width=360, height=40 + 30 * len(rows), title="goodput")
 
 
 # ----------------------------------------------------------------------------- plan
@@ -157,7 +164,7 @@ def pareto_chart(plan: dict[str, Any]) -> alt.LayerChart:
                                   legend=alt.Legend(title=None)),
         color=alt.value("#d62728"), tooltip=["which:N", "goodput:Q", "cost_node_hours_per_step:Q", "policy:N"])
     return alt.layer(line, trials, marks).resolve_scale(color="independent").properties(
-        width=WIDTH, height=360, title="recovery policies: goodput against cost")
+        autosize=PAD, width=WIDTH, height=360, title="recovery policies: goodput against cost")
 
 
 # ----------------------------------------------------------------------------- compare
@@ -185,12 +192,13 @@ def parity_chart(comparison: dict[str, Any]) -> alt.LayerChart:
         x=alt.X("predicted_lo:Q", scale=scale), x2="predicted_hi:Q", y=y,
         color=alt.Color("class:N", scale=_scale(FAULT_COLOURS)))
     points = base.mark_point(size=70, filled=True).encode(
-        x=x, y=y, color=alt.Color("class:N", scale=_scale(FAULT_COLOURS), title="fault class"),
+        x=x, y=y, color=alt.Color("class:N", scale=_scale(FAULT_COLOURS),
+                                  legend=alt.Legend(title="fault class", orient="bottom", columns=2)),
         tooltip=["fault_id:Q", "class:N", "target:N", "rep:Q", alt.Tooltip("predicted_s:Q", format=".3f"),
                  alt.Tooltip("predicted_lo:Q", format=".3f"), alt.Tooltip("predicted_hi:Q", format=".3f"),
                  alt.Tooltip("observed_s:Q", format=".3f")])
     return alt.layer(band, identity, err, points).properties(
-        width=420, height=420, title=f"observed vs predicted downtime (band: +-{tol:.0%})")
+        autosize=PAD, width=380, height=380, title=f"observed vs predicted downtime (band: +-{tol:.0%})")
 
 
 def residual_chart(comparison: dict[str, Any]) -> alt.LayerChart:
@@ -199,7 +207,8 @@ def residual_chart(comparison: dict[str, Any]) -> alt.LayerChart:
     rows = [r for r in data.parity_rows(comparison) if r["rel_residual"] is not None]
     tol = float(comparison.get("tolerances", {}).get("downtime_rel_tol") or 0.0)
     classes = [c for c in FAULT_CLASSES if any(r["class"] == c for r in rows)] or list(FAULT_CLASSES)
-    xcls = alt.X("class:N", title="fault class", sort=classes, scale=alt.Scale(domain=classes))
+    xcls = alt.X("class:N", title="fault class", sort=classes, scale=alt.Scale(domain=classes),
+                 axis=alt.Axis(labelAngle=-35, labelOverlap=False, labelLimit=160))
     band = alt.Chart(alt.Data(values=[{"lo": -tol, "hi": tol}])).mark_rect(opacity=0.15, color="#2ca02c").encode(
         y=alt.Y("lo:Q"), y2="hi:Q")
     zero = alt.Chart(alt.Data(values=[{"zero": 0.0}])).mark_rule(color="#2ca02c", strokeDash=[5, 3]).encode(y="zero:Q")
@@ -209,4 +218,4 @@ def residual_chart(comparison: dict[str, Any]) -> alt.LayerChart:
         color=alt.Color("class:N", scale=_scale(FAULT_COLOURS), legend=None),
         tooltip=["fault_id:Q", "target:N", "rep:Q", alt.Tooltip("rel_residual:Q", format=".1%"),
                  alt.Tooltip("residual_s:Q", format=".3f")])
-    return alt.layer(band, zero, points).properties(width=420, height=320, title="residuals by fault class")
+    return alt.layer(band, zero, points).properties(autosize=PAD, width=320, height=380, title="residuals by fault class")

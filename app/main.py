@@ -13,13 +13,6 @@ from app import ui  # noqa: E402
 
 st.set_page_config(page_title="keel", page_icon=":material/sailing:", layout="wide")
 ui.init_state()
-page = st.navigation([
-    st.Page(ui.PAGES["runs"], title="Runs", icon=":material/folder_open:", default=True),
-    st.Page(ui.PAGES["topology"], title="Topology", icon=":material/hub:"),
-    st.Page(ui.PAGES["simulate"], title="Simulate", icon=":material/timeline:"),
-    st.Page(ui.PAGES["plan"], title="Plan", icon=":material/tune:"),
-    st.Page(ui.PAGES["compare"], title="Compare", icon=":material/compare_arrows:"),
-    st.Page(ui.PAGES["checkpoints"], title="Checkpoints", icon=":material/save:"),
-])
+page = st.navigation(ui.pages())
 ui.sidebar()
 page.run()

@@ -20,8 +20,27 @@ PAGES = {
 }
 
 
+PAGE_TITLES = {"runs": ("Runs", ":material/folder_open:"), "topology": ("Topology", ":material/hub:"),
+               "simulate": ("Simulate", ":material/timeline:"), "plan": ("Plan", ":material/tune:"),
+               "compare": ("Compare", ":material/compare_arrows:"), "checkpoints": ("Checkpoints", ":material/save:")}
+
+
+def pages() -> list:
+    return [st.Page(PAGES[k], title=t, icon=i, default=k == "runs") for k, (t, i) in PAGE_TITLES.items()]
+
+
+def entry_guard() -> None:
+    """At the top of every page. Streamlit runs a `pages/` script on its own (its older
+    multipage mode) when a fresh server's first visitor opens a page's URL directly; then
+    declare the navigation and rerun, so main.py runs and the page gets its setup."""
+    if not st.session_state.get("_keel_entry"):
+        st.navigation(pages(), position="hidden")
+        st.rerun()
+
+
 def init_state() -> None:
     s = st.session_state
+    s["_keel_entry"] = True
     s.setdefault("runs_root", str(data.runs_root()))
     s.setdefault("scenario_path", str(DEFAULT_SCENARIO))
     s.setdefault("scenario_text", None)       # TOML text of the loaded scenario file

@@ -1,8 +1,12 @@
 """Checkpoints: a run's checkpoints, each verified by the reference reader
 (`keel.ckpt_reader`): the seven fields with their sizes, and why a refused one was refused."""
+from pathlib import Path
+
 import streamlit as st
 
 from app import data, ui
+
+ui.entry_guard()
 
 st.title("Checkpoints")
 root = ui.runs_root()
@@ -10,8 +14,6 @@ runs = data.checkpoint_runs(root)
 labels = {str(r.path): r.label for r in runs}
 choice = st.selectbox("run", list(labels), key="ckpt_run", format_func=lambda p: labels.get(p, p)) if runs else None
 typed = st.text_input("or a run / checkpoints directory" if runs else "a run or checkpoints directory", key="ckpt_run:typed")
-from pathlib import Path  # noqa: E402
-
 run = Path(typed.strip()) if typed.strip() else (Path(choice) if choice else None)
 if run is None:
     st.info(f"No run with checkpoints under `{root}`: `keel run scenarios/local-8.toml --out {root / 'local-8'}` writes some.")

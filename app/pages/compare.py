@@ -6,6 +6,8 @@ import streamlit as st
 from app import charts, data, ui
 from keel.errors import InputError
 
+ui.entry_guard()
+
 st.title("Compare: predicted against observed")
 picked = ui.pick_dir("validation directory", ["validation"], key="compare_dir")
 if picked is None:
@@ -41,16 +43,16 @@ if overall is False:
 
 left, right = st.columns(2)
 with left:
-    st.altair_chart(charts.parity_chart(comparison))
+    st.altair_chart(charts.parity_chart(comparison), width="content")
 with right:
-    st.altair_chart(charts.residual_chart(comparison))
+    st.altair_chart(charts.residual_chart(comparison), width="content")
 
 st.subheader("errors against the declared tolerances")
 st.dataframe(data.comparison_rows(comparison), hide_index=True)
 
 if runs:
     st.subheader("timelines: the twin above the runtime's repetitions")
-    st.altair_chart(charts.aligned_timelines(runs))
-    st.altair_chart(charts.progress_chart({k: ev for k, (ev, _) in runs.items()}))
+    st.altair_chart(charts.aligned_timelines(runs), width="content")
+    st.altair_chart(charts.progress_chart({k: ev for k, (ev, _) in runs.items()}), width="content")
 else:
     st.caption("(no twin/ or runtime/rep-K/ event logs beside comparison.json)")

@@ -10,6 +10,8 @@ import streamlit as st
 from app import charts, data, ui
 from keel.errors import InputError
 
+ui.entry_guard()
+
 s = st.session_state
 st.title("Plan")
 
@@ -79,7 +81,7 @@ for col, (tag, entry) in zip(cols, chosen.items()):
         if st.button(f"Send {tag} to Simulate", key=f"plan_send_{tag}", type="primary" if tag == "recommended" else "secondary"):
             send(policy, f"plan {tag}")
 
-st.altair_chart(charts.pareto_chart(plan))
+st.altair_chart(charts.pareto_chart(plan), width="content")
 rows = data.plan_rows(plan)
 st.dataframe(rows, hide_index=True, column_order=["rank", "number", "goodput", "goodput_lo", "goodput_hi",
                                                    "cost_node_hours_per_step", "pareto", "recommended", "source", "policy"])

@@ -6,6 +6,8 @@ from app import charts, data, ui
 from keel.cli import DEFAULT_SCENARIO
 from keel.errors import InputError
 
+ui.entry_guard()
+
 st.title("keel")
 st.caption("Digital twin, planner and resilient runtime for multi-region training.")
 root = ui.runs_root()
@@ -23,7 +25,7 @@ if not runs:
         st.stop()
     st.subheader(f"{default.run.name}: {default.total_nodes} nodes, {len(default.regions)} regions, "
                  f"{sum(r.nodes * r.gpus_per_node for r in default.regions)} GPUs")
-    st.altair_chart(charts.topology_chart(default))
+    st.altair_chart(charts.topology_chart(default), width="content")
     if not ui.twin_available():
         st.warning("The twin (`twin.simulate`) is not part of this checkout yet.")
     elif st.button(f"Run the twin on {default.run.name}", type="primary", key="run_default"):
@@ -56,7 +58,7 @@ if latest is not None:
     cols[1].metric("wall time", f"{h['wall_s']:.4g} s")
     cols[2].metric("faults", h["faults"])
     cols[3].metric("restarts", h["restarts"])
-    st.altair_chart(charts.timeline_chart(events, summary, title=latest.label))
+    st.altair_chart(charts.timeline_chart(events, summary, title=latest.label), width="content")
 kinds = {r.kind for r in runs}
 st.caption("Open " + ", ".join(p for k, p in (("run", "**Simulate** for runs"), ("validation", "**Compare** for validations"),
                                                 ("plan", "**Plan** for plans")) if k in kinds)

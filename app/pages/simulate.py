@@ -8,6 +8,8 @@ import streamlit as st
 from app import charts, data, ui
 from keel.errors import InputError
 
+ui.entry_guard()
+
 s = st.session_state
 BASELINE = ['policy.kind="checkpoint_restart"']
 
@@ -34,12 +36,12 @@ def show(results: dict) -> None:
     summaries = {k: v["summary"] for k, v in results.items()}
     left, right = st.columns(2)
     with left:
-        st.altair_chart(charts.goodput_chart(summaries))
+        st.altair_chart(charts.goodput_chart(summaries), width="content")
     with right:
         if any(v.get("faults") for v in summaries.values()):
-            st.altair_chart(charts.downtime_chart(summaries))
-    st.altair_chart(charts.aligned_timelines({k: (v["events"], v["summary"]) for k, v in results.items()}))
-    st.altair_chart(charts.progress_chart({k: v["events"] for k, v in results.items()}))
+            st.altair_chart(charts.downtime_chart(summaries), width="content")
+    st.altair_chart(charts.aligned_timelines({k: (v["events"], v["summary"]) for k, v in results.items()}), width="content")
+    st.altair_chart(charts.progress_chart({k: v["events"] for k, v in results.items()}), width="content")
     for label in labels:
         st.markdown(f"**faults: {label}**")
         st.dataframe(data.fault_rows(results[label]["summary"]), hide_index=True)

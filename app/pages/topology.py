@@ -10,6 +10,8 @@ from app import charts, data, ui
 from keel import scenario as sc
 from keel.errors import InputError
 
+ui.entry_guard()
+
 s = st.session_state
 s.setdefault("topology_gen", 0)       # bumps when a new file is loaded: fresh widgets
 s.setdefault("topology_draft", {})    # dotted key -> value of every widget, kept across pages
@@ -129,7 +131,7 @@ with graph_col:
     if edit_error:
         st.error(edit_error, icon=":material/error:")
         st.caption("The graph shows the last valid scenario.")
-    st.altair_chart(charts.topology_chart(edited))
+    st.altair_chart(charts.topology_chart(edited), width="content")
     changes = sc.diff_configs(base_plain, edited.to_dict())
     st.caption(f"config hash `{edited.config_hash()[:16]}`; "
                + (f"{len(changes)} change{'s' * (len(changes) != 1)} over the file" if changes else "as in the file"))
@@ -138,7 +140,7 @@ with graph_col:
 
     st.subheader("Save as a new scenario file")
     folder = ui.runs_root() / "scenarios"
-    name = st.text_input("file name", value=f"{edited.run.name}.toml", key="topology_save_name")
+    name = st.text_input("file name", value=f"{edited.run.name}.toml", key=f"topology_save_name:{edited.run.name}")
     if st.button("Save", key="topology_save", disabled=bool(edit_error)):
         target = Path(name) if Path(name).is_absolute() or "/" in name else folder / name
         if target.suffix != ".toml":
