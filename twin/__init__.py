@@ -124,7 +124,9 @@ def simulate_replicas(scenario: Scenario, replicas: int, seed: int | None = None
                     bar.update()
         else:
             import multiprocessing
-            with multiprocessing.get_context("spawn").Pool(processes) as pool:
+            methods = multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+            with context.Pool(processes) as pool:
                 for summary in pool.imap(_one_replica, jobs):
                     summaries.append(summary)
                     if bar:

@@ -62,7 +62,7 @@ import simpy
 from keel.events import Event
 from keel.scenario import ABSORB_ACTION, RESTART_ACTION, Scenario
 from twin.params import TwinParams
-from twin.steps import StepShape
+from twin.steps import NormalPool, StepShape
 from twin.topology import Topology
 
 MAX_SEGMENT_STEPS = 1000
@@ -144,10 +144,12 @@ class Simulation:
         streams = np.random.SeedSequence(seed).spawn(6)
         (self.rng_steps, self.rng_detect, self.rng_hardware, self.rng_jitter,
          self.rng_rack, self.rng_skew) = (np.random.Generator(np.random.PCG64(s)) for s in streams)
+        self.step_noise = NormalPool(self.rng_steps)
         self.env = simpy.Environment()
         self.events: list[Event] = []
 
         self._shape_cache: tuple[int, StepShape] | None = None
+        self._expected_cache: dict[tuple, float] = {}
         self.layout_version = 0
         self.nodes: dict[str, Node] = {}
         for r in scenario.regions:
@@ -162,7 +164,7 @@ class Simulation:
         self.healthy_max_load = max(n.slots / n.speed for n in self.order)
         self.state_bytes = scenario.checkpoint.weights_bytes + scenario.checkpoint.optimizer_bytes
         self.reference_reduction = self.topology.reduction(self._active_per_region())
-        self.healthy_step_s = self._shape(with_spikes=False).expected_s()
+        self.healthy_step_s = self._expected_s(self._shape(with_spikes=False))
 
         self.committed = 0
         self.segment: Segment | None = None
@@ -297,7 +299,9 @@ class Simulation:
             k = slots[n.name] if slots is not None else n.slots
             if k > 0:
                 groups[k * p.slot_compute_s / n.speed] += 1
-        per_region = self._active_per_region([n for n in nodes if (slots[n.name] if slots is not None else n.slots) > 0])
+        members = [n for n in nodes if (slots[n.name] if slots is not None else n.slots) > 0]
+        member_names = {n.name for n in members}
+        per_region = self._active_per_region(members)
         red = self.topology.reduction(per_region)
         ref = self.reference_reduction
         latency = red.latency_s * (p.reduce_latency_s / ref.latency_s if ref.latency_s > 0 else 1.0)
@@ -305,14 +309,28 @@ class Simulation:
         spike = 0.0
         if with_spikes:
             for sp in self.spikes.values():
-                if sp.active and not sp.moves:
-                    spike = max(spike, self.topology.spike_delay_s(sp.target, sp.spike_s, per_region))
+                if sp.active and not sp.moves and ("/" not in sp.target or sp.target in member_names):
+                    spike = max(spike, self._spike_delay(sp, per_region))
         fixed = latency + self.scenario.workload.gradient_bytes * per_byte + p.step_overhead_s + spike
         return StepShape(tuple(sorted((n, base) for base, n in groups.items())), p.compute_jitter,
                          fixed, latency, red.jitter_s)
 
+    def _expected_s(self, shape: StepShape) -> float:
+        key = (shape.groups, shape.fixed_s)
+        if key not in self._expected_cache:
+            self._expected_cache[key] = shape.expected_s()
+        return self._expected_cache[key]
+
+    def _spike_delay(self, spike: Spike, per_region: dict[str, int]) -> float:
+        rounds = self.params.spike_rounds
+        if rounds is not None:  # calibrated: latency-bound rounds a spike delays per step
+            touched = per_region.get(spike.target.split("/", 1)[0], 0) > 0
+            return spike.spike_s * rounds if touched else 0.0
+        return self.topology.spike_delay_s(spike.target, spike.spike_s, per_region)
+
     def _current_shape(self) -> StepShape:
         if self._shape_cache is None or self._shape_cache[0] != self.layout_version:
+            assert sum(n.slots for n in self._active()) == self.slot_count, "slots lost"
             self._shape_cache = (self.layout_version, self._shape())
         return self._shape_cache[1]
 
@@ -567,7 +585,7 @@ class Simulation:
             other = [n for n in survivors if n.region != info.target]
             receivers += self._spread_over_regions(lost, other or survivors)
         self._changed()
-        assert sum(n.slots for n in self._active()) == self.slot_count, "slots lost in re-slotting"
+        assert sum(n.slots for n in self.order) == self.slot_count, "slots lost in re-slotting"
         self.awaiting_recovery.append(fid)
         self.recovery_s = max(self.recovery_s, self.params.reform_s + takeover + self._transfer_s(receivers))
         self.emit_episode("reslot", fid, slots=lost, to=[f"{name}:{k}" for name, k in receivers])
@@ -618,7 +636,7 @@ class Simulation:
 
     def _share_s(self, gbyte_s: float) -> float:
         """Seconds for each training node to move its share of the checkpoint."""
-        holders = max(1, sum(1 for n in self._active() if n.slots > 0))
+        holders = max(1, self._current_shape().holders)
         return self.state_bytes / holders / (gbyte_s * 1e9)
 
     # ------------------------------------------------------------------ straggler handling
@@ -627,8 +645,8 @@ class Simulation:
             return
         sp = self.spikes[fid]
         healthy = self._shape(with_spikes=False)
-        delay = self.topology.spike_delay_s(sp.target, sp.spike_s, self._active_per_region())
-        healthy_s = healthy.expected_s()
+        delay = self._spike_delay(sp, self._active_per_region())
+        healthy_s = self._expected_s(healthy)
         if delay > 0 and (healthy_s + delay) / healthy_s > self.scenario.policy.straggler_factor:
             in_flight = 1 if self.carry_s is not None else 0
             self.watches[fid] = self.committed + in_flight + self.scenario.policy.straggler_window
@@ -647,14 +665,14 @@ class Simulation:
         active = self._active()
         if not movers or len(movers) == len(active):
             return
-        before = self._current_shape().expected_s()
+        before = self._expected_s(self._current_shape())
         spares = [x for x in self.order if x.up and x.role == "spare"][:len(movers)]
         plan = self._plan_moves(movers, spares)
         trial_nodes = [n for n in active if n not in movers] + spares
         trial_slots = {n.name: n.slots for n in trial_nodes}
         for _, to, k in plan:
             trial_slots[to] += k
-        if self._shape(nodes=trial_nodes, slots=trial_slots).expected_s() >= before:
+        if self._expected_s(self._shape(nodes=trial_nodes, slots=trial_slots)) >= before:
             return  # moving would not help: endure the spike
         self.emit_episode("recover_start", fid)
         for n in movers:
@@ -790,8 +808,7 @@ class Simulation:
         return max(1, min(bounds) - c)
 
     def _segment(self, count: int) -> Generator:
-        assert sum(n.slots for n in self._active()) == self.slot_count, "slots lost"
-        durations = self._current_shape().draw(self.rng_steps, count)
+        durations = self._current_shape().draw(self.step_noise, count)
         if self.carry_s is not None:
             durations[0] = max(self.carry_s, 0.0)
             self.carry_s = None

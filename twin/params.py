@@ -23,6 +23,10 @@ Calibrated primitives (name: what it is; where the scenario value comes from):
   ckpt_write_gbyte_s      per-node checkpoint write, GB/s (checkpoint.write_gbyte_s)
   ckpt_read_gbyte_s       per-node checkpoint read, GB/s (checkpoint.read_gbyte_s)
   restart_s               relaunch and rendezvous of the whole job, s (policy.restart_s)
+  spike_rounds            optional: latency-bound rounds per step that a latency spike delays
+                          (default: the topology's, every ring phase the target is in: 2 (n_r - 1)
+                          + 2 (R - 1) for a node; the runtime's gate sleeps once per collective, so
+                          a calibration of it would set 1)
 
 Reductions and transfers over memberships or routes other than the reference ones keep the
 topology's shape: the model scales the topology's figures by calibrated / reference.
@@ -44,6 +48,7 @@ CALIBRATED = (
     "slot_compute_s", "step_overhead_s", "reduce_latency_s", "reduce_gbyte_s", "detect_kill_s",
     "detect_hang_s", "reform_s", "state_transfer_gbyte_s", "spare_takeover_s",
     "ckpt_snapshot_gbyte_s", "ckpt_write_gbyte_s", "ckpt_read_gbyte_s", "restart_s",
+    "spike_rounds",
 )
 _RATES = {"reduce_gbyte_s", "state_transfer_gbyte_s", "ckpt_snapshot_gbyte_s",
           "ckpt_write_gbyte_s", "ckpt_read_gbyte_s", "slot_compute_s"}  # must be > 0
@@ -68,10 +73,11 @@ class TwinParams:
     ckpt_write_gbyte_s: float
     ckpt_read_gbyte_s: float
     restart_s: float
+    spike_rounds: float | None = None
     # not calibrated: taken from the scenario as they are
-    compute_jitter: float
-    heartbeat_s: float
-    replace_node_s: float
+    compute_jitter: float = 0.0
+    heartbeat_s: float = 1.0
+    replace_node_s: float = 0.0
     calibrated: tuple[str, ...] = ()
 
     @classmethod

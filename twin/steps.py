@@ -60,6 +60,26 @@ def max_of_normals(u: np.ndarray, n: int) -> np.ndarray:
     return -normal_quantile_lower(upper)
 
 
+class NormalPool:
+    """Standard-normal maxima drawn from one seeded generator in chunks (numpy's per-call
+    overhead dominates small draws), handed out in order: deterministic for a seed."""
+
+    CHUNK = 4096
+
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+        self._pools: dict[int, tuple[np.ndarray, int]] = {}
+
+    def max_of(self, n: int, count: int) -> np.ndarray:
+        """`count` draws of the maximum of `n` iid standard normals."""
+        pool, pos = self._pools.get(n, (np.empty(0), 0))
+        if pos + count > len(pool):
+            fresh = max_of_normals(self.rng.random(max(self.CHUNK, count)), n)
+            pool, pos = np.concatenate([pool[pos:], fresh]), 0
+        self._pools[n] = (pool, pos + count)
+        return pool[pos:pos + count]
+
+
 @dataclass(frozen=True, slots=True)
 class StepShape:
     """What one step costs under the cluster's current state."""
@@ -69,20 +89,25 @@ class StepShape:
     latency_s: float        # the reduction's latency term (the link noise never undercuts it)
     link_jitter_s: float    # standard deviation of the per-step link noise
 
-    def draw(self, rng: np.random.Generator, count: int) -> np.ndarray:
+    def draw(self, pool: "NormalPool", count: int) -> np.ndarray:
         """`count` step times, one draw per group and step (plus one for the links)."""
         slowest = None
         for n, base in self.groups:
             if self.compute_jitter > 0:
-                z = max_of_normals(rng.random(count), n)
+                z = pool.max_of(n, count)
                 group = base * np.maximum(1.0 + self.compute_jitter * z, 0.0)
             else:
                 group = np.full(count, base)
             slowest = group if slowest is None else np.maximum(slowest, group)
         out = slowest + self.fixed_s
         if self.link_jitter_s > 0:
-            out += np.maximum(rng.normal(0.0, self.link_jitter_s, count), -self.latency_s)
+            out += np.maximum(self.link_jitter_s * pool.max_of(1, count), -self.latency_s)
         return out
+
+    @property
+    def holders(self) -> int:
+        """Nodes holding slots."""
+        return sum(n for n, _ in self.groups)
 
     def expected_s(self) -> float:
         return expected_max(self.groups, self.compute_jitter) + self.fixed_s
