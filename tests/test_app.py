@@ -1,0 +1,260 @@
+"""AppTest of every dashboard page over real runs (twin, planner, validate) produced in the
+session, and hand-written ones in the documented formats. Caches are cleared between tests."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+
+from keel import scenario as sc
+from test_app_runs import (REPO, checkpointed_run, handwritten_plan, handwritten_validation, need, plan_run,
+                           runs_root, twin_ok, twin_run, validation_run)
+
+__all__ = ["runs_root"]  # the session fixture, imported for pytest
+MAIN = REPO / "app" / "main.py"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches():
+    st.cache_data.clear()
+    yield
+    st.cache_data.clear()
+
+
+def open_app(monkeypatch, root: Path, page: str | None = None) -> AppTest:
+    monkeypatch.setenv("KEEL_RUNS", str(root))
+    at = AppTest.from_file(str(MAIN), default_timeout=120).run()
+    if page:
+        at.switch_page(f"pages/{page}.py").run()
+    return at
+
+
+def charts(at: AppTest) -> list[dict]:
+    return [json.loads(c.proto.spec) for c in at.get("vega_lite_chart")]
+
+
+def no_exception(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+
+
+def titles(specs: list[dict]) -> list[str]:
+    out = []
+    for s in specs:
+        out.append(s.get("title", ""))
+        for sub in s.get("vconcat", []):
+            out.append(sub.get("title", ""))
+    return out
+
+
+# ----------------------------------------------------------------------------- Runs
+
+@pytest.mark.timeout(180)
+def test_runs_page_without_runs_offers_the_default_scenario(monkeypatch, tmp_path):
+    at = open_app(monkeypatch, tmp_path / "empty")
+    no_exception(at)
+    assert any("No runs under" in i.value for i in at.info)
+    assert any("multiregion-46" in t for t in titles(charts(at)))  # the default scenario's graph
+    if not twin_ok():
+        assert any("twin" in w.value for w in at.warning)
+        pytest.skip("the twin is not in this checkout yet: the Run button cannot be pressed")
+    at.button(key="run_default").click().run()
+    no_exception(at)
+    out = tmp_path / "empty" / "multiregion-46"
+    assert (out / "events.jsonl").is_file() and (out / "summary.json").is_file()
+    assert any(d.value is not None for d in at.dataframe)  # now it lists the run
+    assert any(m.label == "goodput" for m in at.metric)
+
+
+def test_runs_page_lists_runs(monkeypatch, runs_root):
+    handwritten_validation(runs_root)
+    at = open_app(monkeypatch, runs_root)
+    no_exception(at)
+    listed = at.dataframe[0].value
+    assert "handwritten-validation" in set(listed["directory"])
+    assert {"validation", "run"} <= set(listed["kind"])
+
+
+# ----------------------------------------------------------------------------- Topology
+
+def test_topology_shows_the_cluster_and_edits_it(monkeypatch, runs_root):
+    at = open_app(monkeypatch, runs_root, "topology")
+    no_exception(at)
+    spec = charts(at)[0]
+    node_layer = next(layer for layer in spec["layer"] if layer.get("mark", {}).get("type") == "point")
+    nodes = node_layer["data"]["values"]
+    assert len(nodes) == 46 and sum(n["role"] == "hot spare" for n in nodes) == 2
+    gen = at.session_state["topology_gen"]
+    at.number_input(key=f"topo{gen}:regions.0.nodes").set_value(10).run()
+    at.number_input(key=f"topo{gen}:links.0.rtt_ms").set_value(90.0).run()
+    no_exception(at)
+    assert not at.error
+    assert set(at.session_state["scenario_overrides"]) == {"regions.0.nodes=10", "links.0.rtt_ms=90.0"}
+    spec = charts(at)[0]
+    nodes = next(la for la in spec["layer"] if la.get("mark", {}).get("type") == "point")["data"]["values"]
+    assert len(nodes) == 42
+
+
+def test_topology_invalid_edits_show_the_schema_message(monkeypatch, runs_root):
+    at = open_app(monkeypatch, runs_root, "topology")
+    gen = at.session_state["topology_gen"]
+    at.number_input(key=f"topo{gen}:policy.hot_spares").set_value(99).run()
+    no_exception(at)
+    assert any("key 'policy.hot_spares': expected fewer than the cluster's 46 nodes" in e.value for e in at.error)
+    assert at.session_state["scenario_overrides"] == []  # the current scenario is untouched
+    at.number_input(key=f"topo{gen}:policy.hot_spares").set_value(2).run()
+    at.text_area(key=f"topo{gen}:extra").input("links.0.rtt_s=3").run()
+    assert any("did you mean 'rtt_ms'" in e.value for e in at.error)
+
+
+def test_topology_saves_a_new_scenario_file(monkeypatch, runs_root):
+    at = open_app(monkeypatch, runs_root, "topology")
+    gen = at.session_state["topology_gen"]
+    at.text_input(key=f"topo{gen}:run.name").input("mr46-wide").run()
+    at.number_input(key=f"topo{gen}:regions.3.nodes").set_value(12).run()
+    at.button(key="topology_save").click().run()
+    no_exception(at)
+    saved = runs_root / "scenarios" / "mr46-wide.toml"
+    loaded = sc.load(saved)
+    assert loaded.run.name == "mr46-wide" and loaded.regions[3].nodes == 12 and loaded.total_nodes == 50
+    assert at.session_state["scenario_path"] == str(saved)
+    assert any(str(saved) in s.value for s in at.success)
+    at.button(key="topology_save").click().run()  # a second save refuses to overwrite
+    assert any("exists already" in e.value for e in at.error)
+
+
+# ----------------------------------------------------------------------------- Simulate
+
+@pytest.mark.timeout(180)
+def test_simulate_two_policies_on_the_same_fault_trace(monkeypatch, runs_root):
+    if not twin_ok():
+        pytest.skip("the twin (twin.simulate) is not in this checkout yet")
+    at = open_app(monkeypatch, runs_root, "topology")
+    at.selectbox(key=f"topology_file{at.session_state['topology_gen']}").select(str(REPO / "scenarios" / "local-8.toml")).run()
+    at.switch_page("pages/simulate.py").run()
+    no_exception(at)
+    at.button(key="simulate_run").click().run()
+    no_exception(at)
+    results = at.session_state["sim_results"]
+    assert list(results) == ["A: absorb", "B: checkpoint_restart"]
+    a, b = (r["summary"] for r in results.values())
+    trace = [[(f["class"], f["target"], f["at_step"]) for f in s["faults"]] for s in (a, b)]
+    assert trace[0] == trace[1] and len(trace[0]) == 4
+    assert a["restarts"] == 0 and b["restarts"] >= 1
+    specs = charts(at)
+    assert {"goodput", "downtime per fault", "progress"} <= set(titles(specs))
+    assert {"A: absorb", "B: checkpoint_restart"} <= set(titles(specs))  # the aligned timelines
+    assert len(at.dataframe) == 2
+
+
+def test_simulate_opens_a_run_directory(monkeypatch, runs_root):
+    run = handwritten_validation(runs_root) / "twin"
+    at = open_app(monkeypatch, runs_root, "simulate")
+    at.radio(key="simulate_source").set_value("open a run directory").run()
+    at.text_input(key="simulate_dir:typed").input(str(run)).run()
+    no_exception(at)
+    tl = next(s for s in charts(at) if "vconcat" in s)
+    assert tl["vconcat"][0]["title"] == "twin"
+    assert len(at.dataframe[0].value) == 4
+
+
+# ----------------------------------------------------------------------------- Plan
+
+def _plan_page(monkeypatch, root: Path, plan_dir: Path) -> AppTest:
+    at = open_app(monkeypatch, root, "plan")
+    at.text_input(key="plan_dir:typed").input(str(plan_dir)).run()
+    no_exception(at)
+    return at
+
+
+def test_plan_page_shows_the_front_and_sends_a_policy_to_simulate(monkeypatch, runs_root):
+    at = _plan_page(monkeypatch, runs_root, handwritten_plan(runs_root))
+    assert "recovery policies: goodput against cost" in titles(charts(at))
+    ranked = at.dataframe[0].value
+    assert list(ranked["rank"]) == [1, 2, 3, 4, 5] and ranked["recommended"].sum() == 1
+    at.button(key="plan_send_recommended").click().run()
+    no_exception(at)
+    assert at.session_state["policy_b"] == {"policy.hot_spares": 2, "checkpoint.interval_steps": 200, "policy.kind": "absorb"}
+    assert at.session_state["policy_b_label"] == "plan recommended"
+    assert any("policy B came from Plan" in c.value for c in at.caption)  # we are on Simulate now
+
+
+@pytest.mark.timeout(300)
+def test_plan_page_over_a_real_plan(monkeypatch, runs_root):
+    plan_dir = need(plan_run(runs_root))
+    at = _plan_page(monkeypatch, runs_root, plan_dir)
+    assert "recovery policies: goodput against cost" in titles(charts(at))
+    assert len(at.dataframe[0].value) >= 4
+    at.selectbox(key="plan_trial").select_index(1).run()
+    at.button(key="plan_send_trial").click().run()
+    no_exception(at)
+    assert at.session_state["policy_b"]
+
+
+# ----------------------------------------------------------------------------- Compare
+
+def _compare(monkeypatch, root: Path, validation: Path) -> AppTest:
+    at = open_app(monkeypatch, root, "compare")
+    at.text_input(key="compare_dir:typed").input(str(validation)).run()
+    no_exception(at)
+    return at
+
+
+def test_compare_page_over_a_handwritten_validation(monkeypatch, runs_root):
+    at = _compare(monkeypatch, runs_root, handwritten_validation(runs_root))
+    specs = charts(at)
+    parity = next(s for s in specs if str(s.get("title", "")).startswith("observed vs predicted"))
+    points = next(la for la in parity["layer"] if la["mark"].get("type") == "point")
+    assert len(points["data"]["values"]) == 8  # 4 faults x 2 repetitions
+    assert "residuals by fault class" in titles(specs)
+    assert ["twin", "rep-0", "rep-1"] == [v["title"] for v in next(s for s in specs if "vconcat" in s)["vconcat"]]
+    table = at.dataframe[0].value
+    jitter = table[table["class"] == "network_jitter"].iloc[0]
+    assert not jitter["pass"] and jitter["rel_err"] > 0.2
+    assert any("outside the declared tolerances" in e.value for e in at.error)
+
+
+@pytest.mark.timeout(420)
+def test_compare_page_over_a_real_validation(monkeypatch, runs_root):
+    validation = need(validation_run(runs_root))
+    at = _compare(monkeypatch, runs_root, validation)
+    comparison = json.loads((validation / "comparison.json").read_text())
+    specs = charts(at)
+    assert "residuals by fault class" in titles(specs)
+    timelines = next(s for s in specs if "vconcat" in s)["vconcat"]
+    assert [t["title"] for t in timelines] == ["twin", "rep-0"]
+    assert len(at.dataframe[0].value) >= len(comparison["faults"])
+
+
+# ----------------------------------------------------------------------------- Checkpoints
+
+@pytest.mark.timeout(420)
+def test_checkpoints_page_verifies_and_explains_a_refusal(monkeypatch, runs_root, tmp_path):
+    run = need(checkpointed_run(runs_root))
+    copy = tmp_path / "run"
+    shutil.copytree(run / "checkpoints", copy / "checkpoints")
+    at = open_app(monkeypatch, tmp_path, "checkpoints")
+    at.text_input(key="ckpt_run:typed").input(str(copy)).run()
+    no_exception(at)
+    listed = at.dataframe[0].value
+    assert len(listed) >= 1 and listed["verified"].all()
+    assert any("verifies" in s.value for s in at.success)
+    fields = at.dataframe[1].value
+    assert list(fields["field"]) == ["weights", "optimizer_state", "rng_state", "data_offset", "config_hash",
+                                     "cluster_topology", "commit_sha"]
+    assert (fields["bytes"] > 0).all()
+    # alter one byte of the newest checkpoint's weights: the reader refuses it and says why
+    newest = sorted((copy / "checkpoints").iterdir())[-1]
+    weights = newest / "weights.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    st.cache_data.clear()
+    at.run()
+    at.selectbox(key="ckpt_pick").select(str(newest)).run()
+    no_exception(at)
+    assert any("refused" in e.value for e in at.error)
+    assert any("weights.safetensors" in m.value for m in at.markdown)

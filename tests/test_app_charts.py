@@ -1,0 +1,214 @@
+"""Chart builders and loaders of the dashboard, as pure functions: specs through `.to_dict()`
+(which validates them against the Vega-Lite schema), on hand-written runs in the documented
+formats."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app import charts, data
+from keel import scenario as sc
+from keel.errors import InputError
+from test_app_runs import DEFAULT, LOCAL, _events, FAULTS, handwritten_plan, handwritten_validation
+
+
+def layers(spec: dict) -> list[dict]:
+    return spec.get("layer", [])
+
+
+def layer(spec: dict, mark: str, field: str | None = None) -> dict:
+    """The layer with this mark type (and, if given, this x field)."""
+    for la in layers(spec):
+        m = la["mark"]["type"] if isinstance(la["mark"], dict) else la["mark"]
+        if m == mark and (field is None or la["encoding"].get("x", {}).get("field") == field):
+            return la
+    raise AssertionError(f"no {mark} layer{f' on {field}' if field else ''} in {[la['mark'] for la in layers(spec)]}")
+
+
+@pytest.fixture(scope="module")
+def validation(tmp_path_factory):
+    return handwritten_validation(tmp_path_factory.mktemp("v"))
+
+
+# ----------------------------------------------------------------------------- topology
+
+def test_topology_graph_groups_nodes_by_region_with_spares_and_links():
+    s = sc.load(DEFAULT)
+    spec = charts.topology_chart(s).to_dict()
+    nodes = layer(spec, "point")["data"]["values"]
+    assert len(nodes) == 46
+    assert {r.name: r.nodes for r in s.regions} == {reg: sum(n["region"] == reg for n in nodes) for reg in {n["region"] for n in nodes}}
+    assert [n["node"] for n in nodes if n["role"] == "hot spare"] == ["ap-southeast/6", "ap-southeast/7"]
+    links = layer(spec, "rule")["data"]["values"]
+    assert len(links) == 6 and {"us-east", "eu-west"} == {links[1]["a"], links[1]["b"]}
+    labels = {la["label"] for la in links}
+    assert "80 ms, 400 Gbit/s" in labels
+    # nodes sit around their own region's centre
+    centre = {r["region"]: (r["x"], r["y"]) for r in layers(spec)[3]["data"]["values"]}
+    for n in nodes:
+        cx, cy = centre[n["region"]]
+        assert (n["x"] - cx) ** 2 + (n["y"] - cy) ** 2 < 0.2 ** 2
+
+
+def test_topology_of_one_region_has_no_links():
+    s = sc.loads('[[regions]]\nname = "solo"\nnodes = 3\n')
+    spec = charts.topology_chart(s).to_dict()
+    assert layer(spec, "rule")["data"]["values"] == [] and len(layer(spec, "point")["data"]["values"]) == 3
+
+
+# ----------------------------------------------------------------------------- timelines
+
+def test_timeline_lanes_bars_and_marks():
+    events = _events(0.02, [(*f, d) for f, d in zip(FAULTS, [0.3, 0.2, 0.4, 0.1])])
+    tl = data.timeline(events)
+    assert tl["lanes"] == ["run", "checkpoints", "us-east/1", "eu-west/0", "ap-southeast", "shard/3"]
+    episodes = [b for b in tl["bars"] if b["fault_id"] is not None and b["lane"] != "run"]
+    assert [b["class"] for b in episodes] == [f[1] for f in FAULTS]
+    stalls = [b for b in tl["bars"] if b["state"] == "stalled"]
+    assert len(stalls) == 4 and all(b["end"] > b["start"] for b in stalls)
+    kinds = [m["kind"] for m in tl["marks"] if m["fault_id"] == 0]
+    assert kinds == ["fault", "detect", "recover_start", "recover_end"]
+    spec = charts.timeline_chart(events, title="twin").to_dict()
+    assert spec["title"] == "twin" and spec["autosize"]["type"] == "pad"
+    assert layer(spec, "bar")["encoding"]["y"]["scale"]["domain"] == tl["lanes"]
+    assert len(layer(spec, "point")["data"]["values"]) == 16
+
+
+def test_timeline_marks_a_restart():
+    from keel.events import Event
+    ev = [Event(0.0, 0, "run_start", detail={"step_time_s": 1.0}), Event(1.0, 1, "step"), Event(2.0, 2, "step"),
+          Event(2.5, 2, "fault", "hardware_fault", "a/0", "checkpoint_restart", {"fault_id": 0}),
+          Event(3.0, 2, "detect", "hardware_fault", "a/0", "checkpoint_restart", {"fault_id": 0}),
+          Event(3.1, 2, "restart", "hardware_fault", "a/0", "checkpoint_restart", {"fault_id": 0}),
+          Event(9.0, 1, "recover_end", "hardware_fault", "a/0", "checkpoint_restart", {"fault_id": 0}),
+          Event(10.0, 2, "step"), Event(11.0, 3, "step"), Event(11.0, 3, "run_end", detail={"step_time_s": 1.0})]
+    tl = data.timeline(ev)
+    assert any(b["state"] == "restarting" and b["start"] == 3.1 and b["end"] == 10.0 for b in tl["bars"])
+    assert any(m["kind"] == "restart" and m["lane"] == "run" for m in tl["marks"])
+
+
+def test_aligned_timelines_share_one_time_axis(validation):
+    runs = {k: data.load_run(p) for k, p in data.validation_runs(validation).items()}
+    spec = charts.aligned_timelines(runs).to_dict()
+    assert [c["title"] for c in spec["vconcat"]] == ["twin", "rep-0", "rep-1"]
+    assert spec["resolve"]["scale"]["x"] == "shared"
+    domains = {json.dumps(layer(c, "bar")["encoding"]["x"]["scale"]["domain"]) for c in spec["vconcat"]}
+    assert len(domains) == 1
+
+
+def test_progress_is_thinned_but_keeps_the_last_point():
+    events = _events(0.01, [], steps=2000)
+    pts = data.progress(events, max_points=100)
+    assert len(pts) <= 101 and pts[-1]["step"] == 2000 and pts[0]["step"] == 0
+    spec = charts.progress_chart({"run": events}).to_dict()
+    assert spec["mark"]["interpolate"] == "step-after"
+
+
+# ----------------------------------------------------------------------------- per run
+
+def test_goodput_and_downtime_side_by_side(validation):
+    runs = {k: data.load_run(p)[1] for k, p in data.validation_runs(validation).items()}
+    g = charts.goodput_chart(runs).to_dict()
+    assert [r["run"] for r in g["data"]["values"]] == ["twin", "rep-0", "rep-1"]
+    d = charts.downtime_chart(runs).to_dict()
+    rows = d["data"]["values"]
+    assert len(rows) == 12 and d["encoding"]["xOffset"]["field"] == "run"
+
+
+def test_fault_rows_and_headline_read_summary_json(validation):
+    _, summary = data.load_run(validation / "twin")
+    rows = data.fault_rows(summary)
+    assert [r["class"] for r in rows] == [f[1] for f in FAULTS]
+    assert list(rows[0]) == list(data.FAULT_COLUMNS)
+    assert data.headline(summary)["faults"] == 4
+
+
+# ----------------------------------------------------------------------------- plan
+
+def test_pareto_front_ranked_table_recommended_and_baseline(tmp_path):
+    plan = data.load_plan(handwritten_plan(tmp_path))
+    rows = data.plan_rows(plan)
+    assert [r["rank"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["number"] for r in rows][:2] == [2, 0]  # by goodput
+    assert [r["number"] for r in rows if r["recommended"]] == [0]
+    assert {r["number"] for r in rows if r["pareto"]} == {0, 1, 2}
+    spec = charts.pareto_chart(plan).to_dict()
+    front = layer(spec, "line")["data"]["values"]
+    assert [r["number"] for r in front] == [1, 0, 2]  # along cost
+    chosen = layer(spec, "point")["data"]["values"]
+    assert [c["which"] for c in chosen] == ["recommended", "baseline"]
+    assert data.policy_of(plan["recommended"]) == {"policy.hot_spares": 2, "checkpoint.interval_steps": 200,
+                                                   "policy.kind": "absorb"}
+    assert data.overrides_of({"policy.kind": "absorb", "policy.hot_spares": 2}) == ['policy.kind="absorb"', "policy.hot_spares=2"]
+    # the overrides a plan sends to Simulate are valid --set values for the scenario
+    assert sc.load(DEFAULT, data.overrides_of(data.policy_of(plan["baseline"]))).policy.kind == "checkpoint_restart"
+
+
+def test_plan_without_trials_is_an_input_error(tmp_path):
+    (tmp_path / "plan.json").write_text("{}")
+    with pytest.raises(InputError, match="trials"):
+        data.load_plan(tmp_path)
+
+
+# ----------------------------------------------------------------------------- compare
+
+def test_parity_plot_has_identity_tolerance_band_error_bars_and_every_repetition(validation):
+    comparison = data.load_comparison(validation)
+    spec = charts.parity_chart(comparison).to_dict()
+    band = layer(spec, "area")
+    line = layer(spec, "line")["data"]["values"]
+    assert all(p["x"] == p["y"] for p in line)  # y = x
+    assert all(p["lo"] == pytest.approx(p["x"] * 0.9) and p["hi"] == pytest.approx(p["x"] * 1.1)
+               for p in band["data"]["values"])
+    points = layer(spec, "point")["data"]["values"]
+    assert len(points) == 8  # 4 faults x 2 repetitions
+    assert {(p["fault_id"], p["rep"]) for p in points} == {(f, r) for f in range(4) for r in range(2)}
+    err = layer(spec, "rule")
+    assert err["encoding"]["x"]["field"] == "predicted_lo" and err["encoding"]["x2"]["field"] == "predicted_hi"
+    # the axes share one domain, so y = x is the diagonal
+    assert layer(spec, "point")["encoding"]["x"]["scale"]["domain"] == layer(spec, "point")["encoding"]["y"]["scale"]["domain"]
+    assert "10%" in spec["title"]
+
+
+def test_residuals_by_class_with_band(validation):
+    comparison = data.load_comparison(validation)
+    spec = charts.residual_chart(comparison).to_dict()
+    points = layer(spec, "circle")["data"]["values"]
+    jitter = [p["rel_residual"] for p in points if p["class"] == "network_jitter"]
+    assert len(jitter) == 2 and all(r > 0.25 for r in jitter)
+    assert layer(spec, "rect")["data"]["values"] == [{"lo": -0.1, "hi": 0.1}]
+    assert layer(spec, "circle")["encoding"]["x"]["scale"]["domain"] == list(sc.FAULT_CLASSES)
+
+
+def test_error_table_passes_and_fails_against_declared_tolerances(validation):
+    rows = data.comparison_rows(data.load_comparison(validation))
+    by = {r["row"]: r for r in rows}
+    assert [by[f"fault {i}"]["pass"] for i in range(4)] == [True, False, True, True]
+    assert by["downtime (median)"]["tolerance"] == 0.10 and by["wall_s"]["tolerance"] == 0.05
+    assert by["goodput"]["pass"] is None
+
+
+def test_comparison_without_faults_is_an_input_error(tmp_path):
+    (tmp_path / "comparison.json").write_text('{"tolerances": {}}')
+    with pytest.raises(InputError, match="missing key 'faults'"):
+        data.load_comparison(tmp_path)
+
+
+# ----------------------------------------------------------------------------- directories
+
+def test_directory_kinds_and_listing(tmp_path, validation):
+    assert data.dir_kind(validation) == "validation"
+    assert data.dir_kind(validation / "twin") == "run"
+    assert data.dir_kind(tmp_path) is None
+    found = data.list_runs(validation.parent)
+    labels = {r.label: r.kind for r in found}
+    assert labels[validation.name] == "validation" and labels[f"{validation.name}/runtime/rep-1"] == "run"
+    assert list(data.validation_runs(validation)) == ["twin", "rep-0", "rep-1"]
+    assert data.list_runs(tmp_path / "missing") == []
+
+
+def test_scenario_edits_round_trip_through_dumps():
+    s = sc.load(LOCAL, ["regions.0.nodes=3", "links.0.rtt_ms=12.5"])
+    again = sc.loads(sc.dumps(s), "saved.toml")
+    assert again.to_dict() == s.to_dict() and again.config_hash() == s.config_hash()
