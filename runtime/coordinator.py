@@ -42,7 +42,8 @@ from runtime.inject import Planned, planned_faults, poison_schedule, signal_pid
 from runtime.protocol import Channel, parse_address
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STRAGGLER_MIN_EXCESS_S = 0.015  # a straggler is also at least this much slower per slot (noise floor)
+STRAGGLER_MIN_EXCESS_S = 0.04  # a straggler is also at least this much slower per slot (noise floor)
+STRAGGLER_WARMUP_STEPS = 2  # the first steps of a generation (lazy connection set-up) are not judged
 JOIN_TIMEOUT_S = 600.0
 
 
@@ -55,7 +56,7 @@ def _forkserver():
     if _FORKSERVER is None:
         import multiprocessing
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["runtime.worker"])
+        ctx.set_forkserver_preload(["runtime.preload"])
         _FORKSERVER = ctx
     return _FORKSERVER
 
@@ -204,6 +205,7 @@ class Coordinator:
         self.fault_counter = 0
         self.bar = None
         self.final_sha: str | None = None
+        self.gen_start_step = 0
         self.t_abort = time.monotonic()
 
         if resume is not None:
@@ -513,6 +515,7 @@ class Coordinator:
                 if w.chan is not None:
                     w.chan.send({"type": "standby", "gen": self.gen})
         self.phase = "running"
+        self.gen_start_step = start
         self.last_progress = time.monotonic()
         self._fire_due(after_announce=True)
 
@@ -661,6 +664,11 @@ class Coordinator:
     def _commit(self, k: int, loss: float, reps: dict[str, dict], check: bool = True) -> None:
         now = time.monotonic()
         pace_ok = self.last_event_was_commit and self.last_commit_t is not None
+        for ep in self.episodes.values():  # recover_end just before the commit that ends the episode
+            if ep.recovering and not ep.ended and ((ep.end_gen is not None and self.gen >= ep.end_gen and not ep.parked)
+                                                   or (ep.end_step is not None and k >= ep.end_step)):
+                self._end_episode(ep)
+                pace_ok = False
         self.committed = k
         self.losses[k] = loss
         self.emit("step", loss=loss, gen=self.gen)
@@ -669,11 +677,7 @@ class Coordinator:
         self.last_commit_t = now
         self.last_progress = now
         self.bar.update(1)
-        for ep in self.episodes.values():
-            if ep.recovering and not ep.ended and ((ep.end_gen is not None and self.gen >= ep.end_gen and not ep.parked)
-                                                   or (ep.end_step is not None and k >= ep.end_step)):
-                self._end_episode(ep)
-        if reps and check:
+        if reps and check and k - self.gen_start_step > STRAGGLER_WARMUP_STEPS:
             self._watch_stragglers(reps)
         if k >= self.total:
             self.phase = "finishing"
@@ -689,7 +693,7 @@ class Coordinator:
         detail["downtime_s"] = self.now() - ep.t
         if ep.t_detect is not None:
             detail["detect_s"] = ep.t_detect - ep.t
-        if "announced" in t and "abort_s" in t:
+        if ep.end_gen == self.gen and ep.end_step is None and "announced" in t:
             detail["reform_s"] = t.get("abort_s", 0.0) + t.get("pg_s", 0.0)
             detail["state_s"] = t.get("state_s", 0.0)
             if "ready" in t:

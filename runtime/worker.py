@@ -46,6 +46,7 @@ def _set_pdeathsig() -> None:
 
 class Worker:
     def __init__(self, address: str, node: str | None, rank_hint: int | None):
+        t_start = time.perf_counter()
         host, port = parse_address(address)
         sock = socket.create_connection((host, port), timeout=60)
         sock.settimeout(None)
@@ -84,8 +85,7 @@ class Worker:
         store_host = welcome.get("store_host") or host
         import torch.distributed as dist
         self.dist = dist
-        self.store = dist.TCPStore(store_host, int(welcome["store_port"]), None, False,
-                                   timeout=datetime.timedelta(seconds=300))
+        self.store_host, self.store_port = store_host, int(welcome["store_port"])
         self.gloo_host = welcome.get("gloo_host") or ("127.0.0.1" if store_host in ("127.0.0.1", "localhost") else "")
         self.pgs: list[Any] = []  # old groups stay referenced: destroying one mid-collective blocks
         self.gate = CommGate(hash((sc.run.seed, self.node)) & 0xFFFFFFFF)
@@ -101,6 +101,8 @@ class Worker:
         threading.Thread(target=self._reader, daemon=True, name="reader").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         self.chan.send({"type": "joined", "committed": self.committed})
+        print(f"worker {self.node} pid {os.getpid()}: joined {time.perf_counter() - t_start:.2f} s after start",
+              file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------------- control threads
 
@@ -203,7 +205,11 @@ class Worker:
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.gloo_host, lazy_init=True)]
         opts._timeout = PG_TIMEOUT
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{g}/", self.store), rank, world, opts)
+        # a store connection of its own: a lazy connect of an aborted group may still block in a
+        # store wait on the old connection (a dead peer's address never comes), holding it
+        store = dist.TCPStore(self.store_host, self.store_port, None, False,
+                              timeout=datetime.timedelta(seconds=300))
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{g}/", store), rank, world, opts)
         self.pgs.append(pg)
         return pg
 
@@ -380,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node", default=None, help="scenario node name (default: from RANK, or the coordinator's choice)")
     p.add_argument("--die-with-parent", action="store_true")
     args = p.parse_args(argv)
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps every thread's stack to the log
     if args.die_with_parent:
         _set_pdeathsig()
     rank_hint = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None

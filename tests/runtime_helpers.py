@@ -1,0 +1,93 @@
+"""Small scenarios and helpers for the runtime's multi-process tests."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from keel.events import read_events
+from keel.scenario import loads
+
+REPO = Path(__file__).resolve().parents[1]
+
+# three regions: a (2 nodes), b (2 nodes), c (1 node, the hot spare: the last node)
+REGIONS = [("a", 2), ("b", 2), ("c", 1)]
+
+
+def scenario_text(*, steps: int = 14, regions=REGIONS, hot_spares: int = 1, slots: int = 4,
+                  interval: int = 5, faults: list[dict[str, Any]] = (), policy: str = "absorb",
+                  detect_timeout_s: float = 1.0, extra: str = "") -> str:
+    lines = [f'[run]\nname = "rt"\nseed = 5\nsteps = {steps}\n',
+             f"[workload]\nslots = {slots}\nmicro_batch = 2\n",
+             f'[checkpoint]\ninterval_steps = {interval}\nkeep = 5\nmode = "async"\n']
+    for name, n in regions:
+        lines.append(f'[[regions]]\nname = "{name}"\nnodes = {n}\ngpus_per_node = 1\n')
+    for (a, _), (b, _) in zip(regions, regions[1:]):
+        lines.append(f'[[links]]\na = "{a}"\nb = "{b}"\nrtt_ms = 0.1\n')
+    for f in faults:
+        body = "".join(f"{k} = {json.dumps(v)}\n" for k, v in f.items())
+        lines.append(f"[[faults.schedule]]\n{body}")
+    lines.append(f'[policy]\nkind = "{policy}"\nheartbeat_s = 0.1\ndetect_timeout_s = {detect_timeout_s}\n'
+                 f"hot_spares = {hot_spares}\nrestart_s = 5.0\nstraggler_factor = 1.5\nstraggler_window = 3\n")
+    lines.append("[model]\nd_model = 32\nlayers = 1\nheads = 2\ncontext = 32\n")
+    lines.append("[data]\nshards = 16\n")
+    return "\n".join(lines) + extra
+
+
+def scenario(**kw):
+    return loads(scenario_text(**kw), "<test scenario>")
+
+
+def run(tmp: Path, name: str, **kw) -> tuple[dict[str, Any], list]:
+    """Run in this process (the fork server stays warm between tests)."""
+    from runtime.api import run_scenario
+    hangs = kw.pop("hangs", None)
+    out = tmp / name
+    summary = run_scenario(scenario(**kw), out, progress=False, hangs=hangs or "")
+    return summary, read_events(out / "events.jsonl")
+
+
+def kinds(events, fault_id=None) -> list[str]:
+    return [e.kind for e in events if fault_id is None or e.detail.get("fault_id") == fault_id]
+
+
+def write_scenario(tmp: Path, name: str = "scenario.toml", **kw) -> Path:
+    p = tmp / name
+    p.write_text(scenario_text(**kw))
+    return p
+
+
+def keel(*args: str) -> list[str]:
+    return [sys.executable, "-m", "keel.cli", *args]
+
+
+def run_and_kill_after_checkpoint(args: list[str], out: Path, ckpt_step: int, timeout: float = 120.0) -> int:
+    """Start `keel run` in a session of its own, wait until the checkpoint of `ckpt_step` is
+    complete (its checkpoint_end event), then SIGKILL every process of the job."""
+    proc = subprocess.Popen(args, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=str(REPO))
+    ev = out / "events.jsonl"
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if ev.exists():
+                for line in ev.read_text().splitlines():
+                    d = json.loads(line) if line.strip() else {}
+                    if d.get("kind") == "checkpoint_end" and d["detail"].get("ckpt_step") == ckpt_step \
+                            and d["detail"].get("path"):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                        return d["step"]
+            if proc.poll() is not None:
+                raise AssertionError(f"keel run ended (rc {proc.returncode}) before checkpoint {ckpt_step}")
+            time.sleep(0.005)
+        raise AssertionError(f"no checkpoint {ckpt_step} within {timeout} s")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
