@@ -179,7 +179,9 @@ def _bench_worker(rank: int, world: int, port: int, scenario: S.Scenario, reps: 
 
 def micro_group(scenario: S.Scenario, world: int, reps: int, timeout_s: float = 300.0) -> list[dict]:
     import multiprocessing as mp
-    ctx = mp.get_context("spawn")
+    # the runtime's own fork server (same preload): torch is imported once, not per process
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["runtime.preload"])
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_bench_worker, args=(r, world, port, scenario, reps, queue), daemon=True)

@@ -172,3 +172,46 @@ def test_plan_replicas_as_ray_tasks():
 def test_twin_summary_job_is_small():
     r = twin_summary((S.loads(SINGLE_NODE, overrides=["run.steps=200"]), 1, None))
     assert set(r) >= {"goodput", "wall_s", "steps", "step_time_s", "restarts", "faults", "seed"}
+
+
+# ----------------------------------------------------------------------------- validate's arithmetic
+
+def _summary(downtimes, wall, goodput=0.8, step=0.1):
+    classes = ["hardware_fault", "network_jitter", "partial_cluster_loss", "data_shard_skew"]
+    return {"wall_s": wall, "goodput": goodput, "step_time_s": step, "restarts": 0, "steps": 60,
+            "faults": [{"fault_id": i, "class": c, "target": f"t{i}", "action": "a", "at_step": 10 * i,
+                        "downtime_s": d, "cost_s": d / 2} for i, (c, d) in enumerate(zip(classes, downtimes))]}
+
+
+def test_compare_judges_median_downtime_error_and_wall_time():
+    from planner.validate import compare
+    s = S.load(SCENARIOS / "local-8.toml")
+    predicted = {"reference": _summary([1, 1, 1, 1], 10.0), "seeds": [1, 2],
+                 "replicas": [_summary([1.0, 1.0, 1.0, 1.0], 10.0), _summary([1.0, 1.0, 1.0, 1.0], 10.2)]}
+    # one fault far off, three within 5 %: the median error passes; wall 10.1 vs 10.0 passes
+    observed = [_summary([0.96, 1.04, 3.0, 1.0], 10.0), _summary([0.96, 1.04, 3.0, 1.0], 10.05),
+                _summary([0.95, 1.05, 3.2, 1.0], 9.9)]
+    c = compare(s, predicted, observed, "cal.json", "given")
+    assert [f["observed"]["downtime_s"] for f in c["faults"]] == [0.96, 1.04, 3.0, 1.0]
+    assert c["faults"][2]["downtime_rel_err"] == pytest.approx(2 / 3)
+    assert c["downtime_median_rel_err"] == pytest.approx((1 - 0.96) / 0.96 / 2 + (1.04 - 1) / 1.04 / 2)
+    assert c["wall_s"]["rel_err"] == pytest.approx(0.01)
+    assert c["pass"] == {"downtime": True, "wall": True, "all": True}
+    slow = [_summary([0.96, 1.04, 3.0, 1.0], 11.0)] * 3
+    assert compare(s, predicted, slow, "cal.json", "given")["pass"]["wall"] is False
+    json.dumps(c, allow_nan=False)
+
+
+def test_validate_uses_an_existing_calibration(tmp_path, monkeypatch):
+    from planner.validate import resolve_calibration
+    cal = {"primitives": {"slot_compute_s": {"median": 0.01}}}
+    (tmp_path / "calibration.json").write_text(json.dumps(cal))
+    got, path, how = resolve_calibration(None, tmp_path, progress=False)
+    assert got == cal and how == "existing" and path.endswith("calibration.json")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "fresh"
+    got, path, how = resolve_calibration(None, out, progress=False, measure=lambda **kw: cal)
+    assert how == "existing"  # ./calibration.json
+    (tmp_path / "calibration.json").unlink()
+    got, path, how = resolve_calibration(None, out, progress=False, measure=lambda **kw: cal)
+    assert how == "measured" and (out / "calibration.json").exists()
