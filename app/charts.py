@@ -44,7 +44,7 @@ def topology_chart(scenario: Scenario) -> alt.LayerChart:
         x=alt.X("mx:Q", axis=axis), y=alt.Y("my:Q", axis=axis), text="label:N")
     nodes = alt.Chart(alt.Data(values=f["nodes"])).mark_point(size=70, filled=True).encode(
         x=x, y=y,
-        color=alt.Color("region:N", legend=alt.Legend(title="region", orient="bottom")),
+        color=alt.Color("region:N", scale=alt.Scale(scheme="tableau10"), legend=alt.Legend(title="region", orient="bottom")),
         shape=alt.Shape("role:N", scale=alt.Scale(domain=["training", "hot spare"], range=["circle", "diamond"]),
                         legend=alt.Legend(title="node", orient="bottom")),
         tooltip=["node:N", "region:N", "role:N"])
@@ -95,9 +95,10 @@ def aligned_timelines(runs: dict[str, tuple[Sequence[Event], dict[str, Any]]]) -
 def progress_chart(runs: dict[str, Sequence[Event]]) -> alt.Chart:
     """Steps committed against time, one line per run: flat stretches are downtime."""
     rows = [dict(p, run=label) for label, ev in runs.items() for p in data.progress(ev)]
-    return alt.Chart(alt.Data(values=rows)).mark_line(interpolate="step-after").encode(
+    # linear, not a staircase: the twin samples its step events
+    return alt.Chart(alt.Data(values=rows)).mark_line().encode(
         x=alt.X("t:Q", title="time since run start (s)"), y=alt.Y("step:Q", title="steps committed"),
-        color=alt.Color("run:N", title=None), tooltip=["run:N", "t:Q", "step:Q"],
+        color=alt.Color("run:N", title=None, scale=alt.Scale(scheme="tableau10")), tooltip=["run:N", "t:Q", "step:Q"],
     ).properties(autosize=PAD, width=WIDTH, height=220, title="progress")
 
 
@@ -112,7 +113,7 @@ def downtime_chart(summaries: dict[str, dict[str, Any]]) -> alt.Chart:
     return alt.Chart(alt.Data(values=rows)).mark_bar().encode(
         x=alt.X("fault:N", title="fault", sort=None), xOffset="run:N",
         y=alt.Y("downtime_s:Q", title="downtime (s)"),
-        color=alt.Color("run:N", legend=alt.Legend(title=None, orient="bottom")),
+        color=alt.Color("run:N", scale=alt.Scale(scheme="tableau10"), legend=alt.Legend(title=None, orient="bottom")),
         tooltip=["run:N", "fault:N", "target:N", "action:N", alt.Tooltip("downtime_s:Q", format=".3f"),
                  alt.Tooltip("cost_s:Q", format=".3f")],
     ).properties(autosize=PAD, width=420, height=240, title="downtime per fault")
@@ -126,12 +127,15 @@ def goodput_chart(summaries: dict[str, dict[str, Any]]) -> alt.LayerChart:
         rows.append({"run": label, "goodput": s.get("goodput"), "lo": ci[0], "hi": ci[1],
                      "restarts": s.get("restarts")})
     base = alt.Chart(alt.Data(values=rows))
+    x = alt.X("goodput:Q", scale=alt.Scale(domain=[0, 1]), title="goodput (95% interval where replicated)")
     bars = base.mark_bar().encode(
-        y=alt.Y("run:N", title=None, sort=None), x=alt.X("goodput:Q", scale=alt.Scale(domain=[0, 1]), title="goodput"),
-        color=alt.Color("run:N", legend=None), tooltip=["run:N", alt.Tooltip("goodput:Q", format=".4f"), "restarts:Q"])
-    err = base.mark_errorbar(color="black").encode(y=alt.Y("run:N", sort=None), x="lo:Q", x2="hi:Q")
-    text = base.mark_text(align="left", dx=4).encode(y=alt.Y("run:N", sort=None), x="goodput:Q",
-                                                     text=alt.Text("goodput:Q", format=".3f"))
+        y=alt.Y("run:N", title=None, sort=None), x=x,
+        color=alt.Color("run:N", legend=None, scale=alt.Scale(scheme="tableau10")),
+        tooltip=["run:N", alt.Tooltip("goodput:Q", format=".4f"), "restarts:Q"])
+    err = base.mark_rule(color="black", strokeWidth=2).encode(
+        y=alt.Y("run:N", sort=None), x=alt.X("lo:Q", title=None), x2="hi:Q")
+    text = base.mark_text(align="right", dx=-6, color="white", fontWeight="bold").encode(
+        y=alt.Y("run:N", sort=None), x=x, text=alt.Text("goodput:Q", format=".4f"))
     return alt.layer(bars, err, text).properties(autosize=PAD, width=360, height=40 + 30 * len(rows), title="goodput")
 
 

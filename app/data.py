@@ -386,10 +386,18 @@ def topology_frames(scenario: Scenario) -> dict[str, list[dict[str, Any]]]:
             node_rows.append({"node": name, "region": r.name,
                               "x": cx + ring * math.cos(b), "y": cy + ring * math.sin(b),
                               "role": "hot spare" if name in spares else "training"})
+    label_spots: list[tuple[float, float]] = []
     for link in scenario.links:
         (ax, ay), (bx, by) = centre[link.a], centre[link.b]
+        # the label sits halfway along the link, or further along where crossing links
+        # (opposite regions) would put two labels on one spot
+        for t in (0.5, 0.3, 0.7, 0.2, 0.8):
+            mx, my = ax + (bx - ax) * t, ay + (by - ay) * t
+            if all((mx - x) ** 2 + (my - y) ** 2 > 0.04 for x, y in label_spots):
+                break
+        label_spots.append((mx, my))
         link_rows.append({"a": link.a, "b": link.b, "x": ax, "y": ay, "x2": bx, "y2": by,
-                          "mx": (ax + bx) / 2, "my": (ay + by) / 2,
+                          "mx": mx, "my": my,
                           "rtt_ms": link.rtt_ms, "gbit_s": link.gbit_s, "jitter_ms": link.jitter_ms,
                           "label": f"{link.rtt_ms:g} ms, {link.gbit_s:g} Gbit/s"})
     return {"regions": region_rows, "nodes": node_rows, "links": link_rows}

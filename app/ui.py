@@ -166,5 +166,16 @@ def pick_dir(label: str, kinds: Sequence[str], key: str) -> Path | None:
     return Path(choice) if choice else None
 
 
+def seconds(x: float | None) -> str:
+    """A duration for a metric tile: 0.182 s, 12.5 s, 6.43 h."""
+    if x is None:
+        return "n/a"
+    if x >= 3600:
+        return f"{x / 3600:.2f} h"
+    if x >= 100:
+        return f"{x:,.0f} s"
+    return f"{x:.3g} s"
+
+
 def show_error(e: Exception) -> None:
     st.error(str(e), icon=":material/error:")

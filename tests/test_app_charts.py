@@ -102,7 +102,7 @@ def test_progress_is_thinned_but_keeps_the_last_point():
     pts = data.progress(events, max_points=100)
     assert len(pts) <= 101 and pts[-1]["step"] == 2000 and pts[0]["step"] == 0
     spec = charts.progress_chart({"run": events}).to_dict()
-    assert spec["mark"]["interpolate"] == "step-after"
+    assert spec["mark"]["type"] == "line" and spec["encoding"]["y"]["field"] == "step"
 
 
 # ----------------------------------------------------------------------------- per run

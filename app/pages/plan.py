@@ -66,6 +66,10 @@ st.subheader(f"{plan.get('scenario', picked.name)}: {len(plan.get('trials', []))
              + (f" x {plan['replicas']} replicas" if plan.get("replicas") else ""))
 if plan.get("rule"):
     st.caption(f"recommendation rule: {plan['rule']}")
+current = ui.current_scenario_or_none()
+if current is not None and plan.get("scenario") and plan["scenario"] != current.run.name:
+    st.warning(f"This plan was made for **{plan['scenario']}**; Simulate runs the current scenario, "
+               f"**{current.run.name}** (load {plan['scenario']} on the Topology page to match).")
 chosen = {tag: plan[tag] for tag in ("recommended", "baseline") if isinstance(plan.get(tag), dict)}
 cols = st.columns(len(chosen) or 1)
 for col, (tag, entry) in zip(cols, chosen.items()):

@@ -55,7 +55,7 @@ if latest is not None:
     cols = st.columns(4)
     h = data.headline(summary)
     cols[0].metric("goodput", f"{h['goodput']:.3f}")
-    cols[1].metric("wall time", f"{h['wall_s']:.4g} s")
+    cols[1].metric("wall time", ui.seconds(h["wall_s"]))
     cols[2].metric("faults", h["faults"])
     cols[3].metric("restarts", h["restarts"])
     st.altair_chart(charts.timeline_chart(events, summary, title=latest.label), width="content")

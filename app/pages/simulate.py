@@ -31,7 +31,7 @@ def show(results: dict) -> None:
                 st.caption(", ".join(results[label]["overrides"]))
             a, b, c = st.columns(3)
             a.metric("goodput", f"{h['goodput']:.4f}")
-            b.metric("wall", f"{h['wall_s']:.5g} s")
+            b.metric("wall", ui.seconds(h["wall_s"]))
             c.metric("restarts", h["restarts"])
     summaries = {k: v["summary"] for k, v in results.items()}
     left, right = st.columns(2)
