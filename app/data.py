@@ -151,6 +151,23 @@ def list_checkpoints(run: str | Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-"))
 
 
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return ""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1000
+    return ""
+
+
+def checkpoint_rows(infos: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per checkpoint from `keel.ckpt_reader.inspect`: verified or not, and why not."""
+    return [{"checkpoint": Path(p).name, "step": i.get("step"), "verified": bool(i.get("ok")),
+             "size": human_bytes(i.get("bytes")), "bytes": i.get("bytes"),
+             "why refused": "; ".join(i.get("problems") or [])} for p, i in infos.items()]
+
+
 def checkpoint_runs(root: str | Path) -> list[RunDir]:
     """Run directories under `root` that hold a `checkpoints/` folder."""
     return [r for r in list_runs(root, kinds=("run",)) if (r.path / "checkpoints").is_dir()]

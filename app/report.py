@@ -169,7 +169,21 @@ def run_sections(path: Path) -> tuple[str, list[Section]]:
         ("progress", charts.progress_chart({label: events})),
         ("downtime per fault", charts.downtime_chart({label: summary})),
         ("faults", data.fault_rows(summary)),
-    ]
+    ] + checkpoint_sections(path)
+
+
+def checkpoint_sections(path: Path) -> list[Section]:
+    """A runtime run's checkpoints as the reference reader judges them."""
+    from app import data
+    checkpoints = data.list_checkpoints(path)
+    if not checkpoints:
+        return []
+    try:
+        from keel import ckpt_reader
+    except ImportError:
+        return [("checkpoints", "(keel.ckpt_reader is not installed: not verified)")]
+    rows = data.checkpoint_rows({str(p): ckpt_reader.inspect(p) for p in checkpoints})
+    return [("checkpoints, verified by the reference reader", rows)]
 
 
 def validation_sections(path: Path) -> tuple[str, list[Section]]:

@@ -258,3 +258,5 @@ def test_checkpoints_page_verifies_and_explains_a_refusal(monkeypatch, runs_root
     no_exception(at)
     assert any("refused" in e.value for e in at.error)
     assert any("weights.safetensors" in m.value for m in at.markdown)
+    listed = at.dataframe[0].value.set_index("checkpoint")
+    assert not listed.loc[newest.name, "verified"] and "weights.safetensors" in listed.loc[newest.name, "why refused"]

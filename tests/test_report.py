@@ -12,7 +12,7 @@ import pytest
 
 from app import report
 from keel.cli import main as keel_main
-from test_app_runs import REPO, handwritten_plan, handwritten_validation, need, runs_root, twin_run
+from test_app_runs import REPO, checkpointed_run, handwritten_plan, handwritten_validation, need, runs_root, twin_run
 
 __all__ = ["runs_root"]
 
@@ -64,6 +64,17 @@ def test_report_of_a_twin_run(runs_root, tmp_path):
     assert {"progress", "downtime per fault"} <= {s.get("title") for s in specs(html)}
     summary = json.loads((run / "summary.json").read_text())
     assert f"{summary['goodput']:.4g}" in html
+
+
+@pytest.mark.timeout(420)
+def test_report_of_a_runtime_run_lists_its_checkpoints(runs_root, tmp_path):
+    run = need(checkpointed_run(runs_root))
+    out = tmp_path / "run.html"
+    assert keel_main(["report", str(run), "--html", str(out)]) == 0
+    html = out.read_text()
+    assert_offline(html)
+    assert "checkpoints, verified by the reference reader" in html
+    assert html.count("step-000000") >= 1 and 'class="fail"' not in html.split("checkpoints, verified")[1]
 
 
 @pytest.mark.parametrize("make", ["missing", "empty", "bad-json"])

@@ -36,8 +36,7 @@ def inspect(path: str, _mtime: float) -> dict:
 
 
 infos = {str(p): inspect(str(p), data.mtime(p / "manifest.json")) for p in checkpoints}
-st.dataframe([{"checkpoint": Path(p).name, "step": i.get("step"), "verified": i["ok"],
-               "bytes": i.get("bytes"), "problems": len(i["problems"])} for p, i in infos.items()], hide_index=True)
+st.dataframe(data.checkpoint_rows(infos), hide_index=True)
 
 names = {p: Path(p).name for p in infos}
 default = next((p for p in reversed(list(infos)) if infos[p]["ok"]), list(infos)[-1])
@@ -58,7 +57,8 @@ if fields:
         f = fields.get(name, {})
         detail = {k: v for k, v in f.items() if k not in ("files", "bytes")}
         value = detail.pop("value", None)
-        rows.append({"field": name, "bytes": f.get("bytes"), "files": ", ".join(f.get("files", [])),
+        rows.append({"field": name, "size": data.human_bytes(f.get("bytes")), "bytes": f.get("bytes"),
+                     "files": ", ".join(f.get("files", [])),
                      "value": "" if value is None else str(value)[:200],
                      "detail": ", ".join(f"{k}={v}" for k, v in detail.items())})
     st.subheader(f"the seven fields (step {info.get('step')}, format {info.get('format')} v{info.get('format_version')})")
