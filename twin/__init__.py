@@ -32,8 +32,8 @@ class TwinResult:
 
 
 def _calibration(calibration: dict | str | Path | None) -> tuple[dict | None, str]:
-    if calibration is None or isinstance(calibration, dict):
-        return calibration, "calibration"
+    if not isinstance(calibration, (str, Path)):
+        return calibration, "calibration"  # a dict (or None); TwinParams checks it
     from twin.params import load_calibration
     return load_calibration(calibration), str(calibration)
 

@@ -51,6 +51,7 @@ Semantics (docs/design.md for step numbering and fault ids):
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -264,10 +265,14 @@ class Simulation:
     def _place(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
         """Give `count` slots to `candidates`, each to the node that would finish soonest."""
         got: Counter[str] = Counter()
-        for _ in range(count):
-            best = min(candidates, key=lambda n: ((n.slots + 1) / n.speed, n.index))
-            best.slots += 1
-            got[best.name] += 1
+        if count:
+            heap = [((n.slots + 1) / n.speed, n.index, n) for n in candidates]
+            heapq.heapify(heap)
+            for _ in range(count):
+                _, index, best = heap[0]
+                best.slots += 1
+                got[best.name] += 1
+                heapq.heapreplace(heap, ((best.slots + 1) / best.speed, index, best))
         self._changed()
         return sorted(got.items(), key=lambda kv: self.nodes[kv[0]].index)
 
@@ -501,7 +506,7 @@ class Simulation:
         node.role = "spare"
         node.slots = 0
         self._changed()
-        self.notify(Cause("rejoin"))
+        self.notify(Cause("rejoin", interrupts_run=self.absorb and self._overloaded()))
 
     def _spike_end(self, fid: int, after_s: float) -> Generator:
         yield self.env.timeout(after_s)
@@ -529,10 +534,10 @@ class Simulation:
                 yield from self._end_spike(self.spike_ends.pop(0))
             elif (due := [f for f, at in self.watches.items() if at <= self.committed]):
                 yield from self._straggler(due[0])
-            elif self.rejoined:
-                yield from self._rebalance()
             elif self.committed >= s.run.steps:
                 break
+            elif self.rejoined:
+                yield from self._rebalance()
             elif self._checkpoint_due():
                 yield from self._checkpoint()
             else:
@@ -738,6 +743,10 @@ class Simulation:
         self.emit_episode("reslot", fid, back=True, to=[f"{n}:{k}" for n, k in back])
         yield from self._wait(self.params.reform_s + self._transfer_s(back), "paused")
         self.emit_episode("recover_end", fid)
+
+    def _overloaded(self) -> bool:
+        """Some node carries more than the healthy layout's heaviest load."""
+        return any(n.slots / n.speed > self.healthy_max_load + 1e-12 for n in self._active())
 
     def _rebalance(self) -> Generator:
         """A repaired node rejoined as a spare: under absorb it relieves overloaded nodes."""

@@ -1,0 +1,476 @@
+"""The twin: topology, parameters, exact event logs, every fault class and action, checkpoints,
+determinism, and absorb vs checkpoint_restart on one fault trace."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+import twin
+from keel.errors import InputError
+from keel.events import read_events, write_events
+from keel.scenario import from_dict, load
+from twin.model import Simulation
+from twin.params import TwinParams, load_calibration
+from twin.steps import NormalPool, StepShape, expected_max
+from twin.topology import Topology
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[1]
+MULTIREGION = ROOT / "scenarios" / "multiregion-46.toml"
+LOCAL = ROOT / "scenarios" / "local-8.toml"
+
+# Two regions of two nodes, one hot spare (b/1), no jitter: every figure below is hand-derivable.
+#   step = compute 1.0 + intra-region ring in a (2 phases x 1 ms + 2(2-1)/2 x 1 GB / 10 GB/s)
+#        + inter-region ring (2 phases x 10 ms + 2 x (1 GB / 2) / 1 GB/s) = 2.122 s
+#   the scheduled fault strikes half-way through step 3: 2 x 2.122 + 1.061 = 5.305
+#   recovery: reform 0.1 + the slot's state (6 GB / 3 slots) from b/0 at 10 GB/s = 0.3 s
+#   a sync checkpoint: 6 GB over 3 holders at 1 GB/s = 2.0 s
+TINY = {
+    "run": {"name": "tiny", "seed": 3, "steps": 12},
+    "workload": {"step_compute_s": 1.0, "compute_jitter": 0.0, "gradient_bytes": 1_000_000_000, "slots": 3},
+    "checkpoint": {"interval_steps": 5, "mode": "sync", "weights_bytes": 3_000_000_000,
+                   "optimizer_bytes": 3_000_000_000, "write_gbyte_s": 1.0, "read_gbyte_s": 2.0},
+    "regions": [{"name": "a", "nodes": 2, "intra_gbit_s": 80.0, "intra_latency_ms": 1.0},
+                {"name": "b", "nodes": 2, "intra_gbit_s": 80.0, "intra_latency_ms": 1.0}],
+    "links": [{"a": "a", "b": "b", "rtt_ms": 20.0, "gbit_s": 8.0}],
+    "faults": {"schedule": [{"at_step": 2, "class": "hardware_fault", "target": "a/1"}]},
+    "policy": {"kind": "absorb", "heartbeat_s": 1.0, "detect_timeout_s": 3.0, "hot_spares": 1},
+}
+
+TINY_LOG = [
+    (0, 0, "run_start", None, None, None),
+    (2.122, 1, "step", None, None, None),
+    (4.244, 2, "step", None, None, None),
+    (5.305, 2, "fault", "hardware_fault", "a/1", "replicate_resume"),
+    (8.204664, 2, "detect", "hardware_fault", "a/1", "replicate_resume"),
+    (8.204664, 2, "recover_start", "hardware_fault", "a/1", "replicate_resume"),
+    (8.204664, 2, "reslot", "hardware_fault", "a/1", "replicate_resume"),
+    (8.504664, 2, "recover_end", "hardware_fault", "a/1", "replicate_resume"),
+    (10.626664, 3, "step", None, None, None),
+    (14.870664, 5, "step", None, None, None),
+    (14.870664, 5, "checkpoint_start", None, None, None),
+    (16.870664, 5, "checkpoint_end", None, None, None),
+    (18.992664, 6, "step", None, None, None),
+    (27.480664, 10, "step", None, None, None),
+    (27.480664, 10, "checkpoint_start", None, None, None),
+    (29.480664, 10, "checkpoint_end", None, None, None),
+    (31.602664, 11, "step", None, None, None),
+    (33.724664, 12, "step", None, None, None),
+    (33.724664, 12, "run_end", None, None, None),
+]
+
+
+def scenario(raw: dict | None = None, *overrides: str):
+    return from_dict(raw or TINY, "test", overrides)
+
+
+def tiny_with(**changes) -> dict:
+    """TINY with dotted-key changes, e.g. tiny_with(**{"policy.kind": "checkpoint_restart"})."""
+    raw = copy.deepcopy(TINY)
+    for key, value in changes.items():
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return raw
+
+
+def episodes(events) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for e in events:
+        if e.fault_id is not None:
+            out.setdefault(e.fault_id, []).append(e.kind)
+    return out
+
+
+def tuples(events):
+    return [(e.t, e.step, e.kind, e.fault, e.target, e.action) for e in events]
+
+
+# ----------------------------------------------------------------------------- topology
+
+def test_graph_carries_nodes_and_links():
+    topo = Topology(load(MULTIREGION))
+    g = topo.graph
+    machines = [n for n, d in g.nodes(data=True) if d["kind"] == "node"]
+    assert len(machines) == 46
+    assert g.nodes["eu-west/3"] == {"kind": "node", "region": "eu-west", "gpus": 8, "speed": 1.0}
+    link = g.edges["us-east", "eu-west"]
+    assert link["latency_s"] == pytest.approx(0.040) and link["bandwidth_bytes_s"] == pytest.approx(50e9)
+    assert link["jitter_s"] == pytest.approx(0.003)
+    assert nx.shortest_path_length(g, "us-east/0", "eu-west/5", weight="latency_s") == pytest.approx(0.040 + 0.000005)
+
+
+def test_reduction_cost_follows_the_graph():
+    topo = Topology(scenario())
+    one_region = topo.reduction({"a": 2})
+    assert one_region.latency_s == pytest.approx(2 * 0.001)
+    assert one_region.seconds(1e9) == pytest.approx(0.002 + 0.1)
+    both = topo.reduction({"a": 2, "b": 1})
+    assert both.seconds(1e9) == pytest.approx(0.002 + 0.1 + 0.020 + 1.0)
+    assert topo.reduction({"a": 1}).seconds(1e9) == 0.0
+
+
+def test_routing_takes_the_faster_detour():
+    raw = tiny_with(regions=TINY["regions"] + [{"name": "c", "nodes": 1}],
+                    links=[{"a": "a", "b": "b", "rtt_ms": 300.0, "gbit_s": 8.0},
+                           {"a": "a", "b": "c", "rtt_ms": 20.0, "gbit_s": 8.0},
+                           {"a": "c", "b": "b", "rtt_ms": 20.0, "gbit_s": 8.0}])
+    topo = Topology(scenario(raw))
+    latency, links, _ = topo.route("a", "b")
+    assert latency == pytest.approx(0.020) and len(links) == 2
+    # a slower direct link no longer sets the reduction's latency
+    assert topo.reduction({"a": 2, "b": 1}).latency_s == pytest.approx(0.002 + 2 * 0.020)
+
+
+def test_spike_delays_every_phase_the_target_is_in():
+    topo = Topology(load(MULTIREGION))
+    active = {"us-east": 14, "us-west": 12, "eu-west": 12, "ap-southeast": 6}
+    assert topo.spike_delay_s("us-east/2", 0.25, active) == pytest.approx(0.25 * (2 * 13 + 2 * 3))
+    assert topo.spike_delay_s("eu-west", 0.25, active) == pytest.approx(0.25 * 6)
+
+
+# ----------------------------------------------------------------------------- step model
+
+def test_max_of_nodes_in_one_draw_matches_brute_force():
+    import numpy as np
+    shape = StepShape(((46, 6.0),), 0.03, 1.0, 0.5, 0.0)
+    pool = NormalPool(np.random.default_rng(0))
+    drawn = shape.draw(pool, 20000)
+    brute = 6.0 * (1 + 0.03 * np.random.default_rng(1).standard_normal((20000, 46))).max(axis=1) + 1.0
+    assert drawn.mean() == pytest.approx(brute.mean(), rel=2e-3)
+    assert drawn.std() == pytest.approx(brute.std(), rel=5e-2)
+    assert shape.expected_s() == pytest.approx(brute.mean(), rel=2e-3)
+    assert expected_max(((1, 2.0),), 0.0) == 2.0
+
+
+# ----------------------------------------------------------------------------- params
+
+def test_params_from_scenario_and_calibration():
+    s = scenario()
+    p = TwinParams.from_scenario(s)
+    assert p.slot_compute_s == 1.0 and p.restart_s == s.policy.restart_s
+    assert p.detect_kill_s == pytest.approx(3.0 - 0.5)
+    assert p.reduce_latency_s == pytest.approx(0.022)
+    assert p.reduce_gbyte_s == pytest.approx(1 / 1.1)
+    assert p.calibrated == ()
+    cal = {"primitives": {"slot_compute_s": {"median": 0.5}, "reform_s": {"median": 0.2},
+                          "something_new": {"median": 9}}}
+    q = TwinParams.from_scenario(s, cal)
+    assert (q.slot_compute_s, q.reform_s, q.restart_s) == (0.5, 0.2, s.policy.restart_s)
+    assert q.calibrated == ("reform_s", "slot_compute_s")
+    fast = twin.simulate(s, calibration=cal)
+    assert fast.summary["step_time_s"] == pytest.approx(2.122 - 0.5)
+    assert fast.summary["calibrated"] == ["reform_s", "slot_compute_s"]
+
+
+def test_calibrated_reduction_scales_the_topology():
+    s = scenario()
+    cal = {"primitives": {"reduce_latency_s": {"median": 0.044}, "reduce_gbyte_s": {"median": 0.5 / 1.1}}}
+    result = twin.simulate(s, calibration=cal)
+    assert result.summary["step_time_s"] == pytest.approx(1.0 + 0.044 + 2.2)
+
+
+@pytest.mark.parametrize("cal, key", [
+    ([], "expected a JSON object"),
+    ({}, "primitives"),
+    ({"primitives": {"reform_s": 3}}, "primitives.reform_s.median"),
+    ({"primitives": {"reform_s": {"median": "x"}}}, "primitives.reform_s.median"),
+    ({"primitives": {"reduce_gbyte_s": {"median": 0}}}, "primitives.reduce_gbyte_s.median"),
+    ({"primitives": {"restart_s": {"median": -1}}}, "primitives.restart_s.median"),
+])
+def test_bad_calibration_names_the_key(cal, key):
+    with pytest.raises(InputError, match=key.replace(".", r"\.")):
+        twin.simulate(scenario(), calibration=cal)
+
+
+def test_calibration_file_errors_name_the_file(tmp_path):
+    with pytest.raises(InputError, match="no such calibration file"):
+        load_calibration(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(InputError, match=r"bad\.json: not valid JSON"):
+        twin.simulate(scenario(), calibration=bad)
+    good = tmp_path / "cal.json"
+    good.write_text(json.dumps({"primitives": {"reform_s": {"median": 0.1}}}))
+    assert load_calibration(good)["primitives"]["reform_s"]["median"] == 0.1
+
+
+# ----------------------------------------------------------------------------- exact logs
+
+def test_exact_event_log_of_a_small_seeded_scenario():
+    result = twin.simulate(scenario())
+    assert tuples(result.events) == TINY_LOG
+    s = result.summary
+    assert s["step_time_s"] == pytest.approx(2.122)
+    (fault,) = s["faults"]
+    assert fault["downtime_s"] == pytest.approx(10.626664 - 5.305)
+    assert fault["cost_s"] == pytest.approx(10.626664 - 4.244 - 2.122)
+    assert s["wall_s"] == pytest.approx(33.724664) and s["restarts"] == 0
+    assert s["goodput"] == pytest.approx(12 * 2.122 / 33.724664)
+    for key, value in {"tool": "twin", "scenario": "tiny", "seed": 3, "nodes": 4, "regions": 2,
+                       "policy": "absorb"}.items():
+        assert s[key] == value
+    assert s["config_hash"] == scenario().config_hash()
+
+
+def test_same_seed_same_bytes_and_other_seed_differs(tmp_path):
+    s = load(MULTIREGION, ["run.steps=6000"])
+    a, b = twin.simulate(s, seed=11), twin.simulate(s, seed=11)
+    write_events(tmp_path / "a.jsonl", a.events)
+    write_events(tmp_path / "b.jsonl", b.events)
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert json.dumps(a.summary, sort_keys=True) == json.dumps(b.summary, sort_keys=True)
+    assert [e.to_json() for e in twin.simulate(s, seed=12).events] != [e.to_json() for e in a.events]
+    assert read_events(tmp_path / "a.jsonl") == a.events
+
+
+def test_events_are_ordered_and_valid():
+    result = twin.simulate(load(MULTIREGION, ["run.steps=20000"]), seed=5)
+    times = [e.t for e in result.events]
+    assert times == sorted(times)
+    steps = [e.step for e in result.events if e.kind == "step"]
+    assert steps == sorted(steps)
+    assert result.events[0].kind == "run_start" and result.events[-1].kind == "run_end"
+    assert result.events[-1].step == 20000
+    # a step event right after every non-step event (the first commit after it)
+    for i, e in enumerate(result.events[:-1]):
+        if e.kind not in ("step", "run_end"):
+            later = [x for x in result.events[i + 1:] if x.kind == "step"]
+            first_commit = next(x for x in result.events[i + 1:] if x.kind in ("step", "run_end"))
+            assert not later or first_commit.kind == "step"
+
+
+# ----------------------------------------------------------------------------- fault classes
+
+def test_hardware_fault_goes_to_the_hot_spare():
+    result = twin.simulate(scenario())
+    assert episodes(result.events)[0] == ["fault", "detect", "recover_start", "reslot", "recover_end"]
+    reslot = next(e for e in result.events if e.kind == "reslot")
+    assert reslot.detail["to"] == ["b/1:1"]
+    detect = next(e for e in result.events if e.kind == "detect")
+    assert 2.0 <= detect.detail["after_s"] <= 3.0  # timeout 3 s minus a heartbeat phase in [0, 1)
+
+
+def test_hardware_fault_without_spare_loads_survivors_until_the_repair():
+    raw = tiny_with(**{"policy.hot_spares": 0, "workload.slots": 4, "run.steps": 40,
+                       "checkpoint.interval_steps": 100, "faults.hardware_fault.repair_hours": 60 / 3600})
+    result = twin.simulate(scenario(raw))
+    kinds = [(e.kind, e.detail.get("reason")) for e in result.events if e.kind == "reslot"]
+    assert kinds == [("reslot", None), ("reslot", "rejoin")]
+    first, rejoin = [e for e in result.events if e.kind == "reslot"]
+    assert first.detail["to"] == ["a/0:1"]  # the least-loaded survivor (ties: scenario order)
+    assert rejoin.target == "a/1" and rejoin.detail["to"] == ["a/1:1"]
+    # a survivor holding two slots doubles the compute until the repaired node takes one back
+    degraded = [e for e in result.events if e.kind == "step" and first.t < e.t <= rejoin.t]
+    pace = (degraded[-1].t - degraded[0].t) / (degraded[-1].step - degraded[0].step)
+    assert pace == pytest.approx(2.0 + 0.022 + 0.1 + 1.0)  # compute 2 x 1.0 + reduction (a: 1, b: 2)
+    assert rejoin.t == pytest.approx(next(e.t for e in result.events if e.kind == "fault") + 60.0, abs=2.2)
+    healthy = [e for e in result.events if e.kind == "step" and e.t > rejoin.t]
+    assert (healthy[-1].t - healthy[0].t) / (healthy[-1].step - healthy[0].step) == pytest.approx(2.122)
+
+
+def test_network_jitter_reslots_and_moves_back():
+    raw = tiny_with(**{"run.steps": 60, "checkpoint.interval_steps": 100,
+                       "faults.schedule": [{"at_step": 5, "class": "network_jitter", "target": "a/0",
+                                            "spike_ms": 2000.0, "duration_s": 40.0}]})
+    result = twin.simulate(scenario(raw))
+    assert episodes(result.events)[0] == ["fault", "detect", "recover_start", "reslot", "reslot", "recover_end"]
+    first, back = [e for e in result.events if e.kind == "reslot"]
+    assert first.detail["to"] == ["b/1:1"] and back.detail == {"fault_id": 0, "back": True, "to": ["a/0:1"]}
+    detect = next(e for e in result.events if e.kind == "detect")
+    assert detect.step == 5 + 1 + 3  # the step in flight, then straggler_window slow steps
+    fault = next(e for e in result.events if e.kind == "fault")
+    assert back.t >= fault.t + 40.0
+    assert result.summary["restarts"] == 0
+
+
+def test_network_jitter_below_the_straggler_factor_is_endured():
+    raw = tiny_with(**{"run.steps": 30, "faults.schedule": [
+        {"at_step": 5, "class": "network_jitter", "target": "a/0", "spike_ms": 100.0, "duration_s": 20.0}]})
+    result = twin.simulate(scenario(raw))
+    assert episodes(result.events)[0] == ["fault", "recover_end"]
+    (f,) = result.summary["faults"]
+    assert f["cost_s"] > 0
+
+
+def test_partial_cluster_loss_spreads_over_regions_by_capacity():
+    raw = {
+        "run": {"name": "rack", "seed": 1, "steps": 30},
+        "workload": {"step_compute_s": 1.0, "compute_jitter": 0.0, "gradient_bytes": 0, "slots": 9},
+        "checkpoint": {"interval_steps": 100},
+        "regions": [{"name": "x", "nodes": 3}, {"name": "y", "nodes": 4, "gpus_per_node": 8},
+                    {"name": "z", "nodes": 2, "gpus_per_node": 16}],
+        "links": [{"a": "x", "b": "y"}, {"a": "y", "b": "z"}],
+        "faults": {"schedule": [{"at_step": 3, "class": "partial_cluster_loss", "target": "x", "nodes": 3}]},
+    }
+    result = twin.simulate(scenario(raw))
+    assert episodes(result.events)[0] == ["fault", "detect", "recover_start", "reslot", "recover_end"]
+    fault = next(e for e in result.events if e.kind == "fault")
+    assert fault.detail["nodes"] == ["x/0", "x/1", "x/2"]
+    reslot = next(e for e in result.events if e.kind == "reslot")
+    # capacities y: 4 x 8 = 32, z: 2 x 16 = 32 -> 3 lost slots split 2 / 1 (largest remainder, y first)
+    moved = dict(item.split(":") for item in reslot.detail["to"])
+    assert sum(int(k) for n, k in moved.items() if n.startswith("y/")) == 2
+    assert sum(int(k) for n, k in moved.items() if n.startswith("z/")) == 1
+    assert result.summary["faults"][0]["action"] == "shard_reweight_failover"
+
+
+def test_data_shard_skew_quarantines_and_redoes_the_step():
+    raw = tiny_with(**{"faults.schedule": [{"at_step": 4, "class": "data_shard_skew", "target": "shard/3"}]})
+    result = twin.simulate(scenario(raw))
+    assert episodes(result.events)[0] == ["fault", "detect", "quarantine", "recover_end"]
+    detect = next(e for e in result.events if e.kind == "detect")
+    assert detect.step == 4 and detect.detail["non_finite_step"] == 5
+    assert detect.t == pytest.approx(4 * 2.122 + 2.122)  # the NaN shows at the end of step 5
+    (f,) = result.summary["faults"]
+    assert f["action"] == "quarantine_resample" and f["lost_steps"] == 0
+    assert f["cost_s"] == pytest.approx(2.122, abs=1e-5)  # exactly the redone step
+
+
+@pytest.mark.parametrize("fault", [
+    {"at_step": 7, "class": "hardware_fault", "target": "a/1"},
+    {"at_step": 7, "class": "partial_cluster_loss", "target": "a", "nodes": 1},
+    {"at_step": 7, "class": "data_shard_skew", "target": "shard/1"},
+])
+def test_checkpoint_restart_rolls_back_to_the_last_checkpoint(fault):
+    raw = tiny_with(**{"policy.kind": "checkpoint_restart", "policy.restart_s": 50.0,
+                       "policy.replace_node_s": 0.0, "faults.schedule": [fault]})
+    result = twin.simulate(scenario(raw))
+    restart = next(e for e in result.events if e.kind == "restart")
+    assert restart.detail == {"fault_id": 0, "from_step": 5, "lost_steps": 2}
+    (f,) = result.summary["faults"]
+    assert f["action"] == "checkpoint_restart" and f["lost_steps"] == 2
+    assert result.summary["restarts"] == 1
+    end = next(e for e in result.events if e.kind == "recover_end")
+    assert end.t - restart.t == pytest.approx(50.0 + 6e9 / 3 / 2e9)  # restart_s + the load
+    assert result.events[-1].step == 12
+
+
+def test_checkpoint_restart_without_spare_waits_for_a_replacement():
+    raw = tiny_with(**{"policy.kind": "checkpoint_restart", "policy.hot_spares": 0, "policy.restart_s": 50.0,
+                       "policy.replace_node_s": 600.0, "workload.slots": 4})
+    result = twin.simulate(scenario(raw))
+    restart = next(e for e in result.events if e.kind == "restart")
+    end = next(e for e in result.events if e.kind == "recover_end")
+    assert end.t - restart.t == pytest.approx(650.0)  # nothing to load: no checkpoint yet
+
+
+def test_absorb_on_a_single_node_falls_back_to_a_restart():
+    raw = tiny_with(**{"regions": [{"name": "a", "nodes": 1}], "links": [], "policy.hot_spares": 0,
+                       "workload.slots": 1, "policy.replace_node_s": 10.0,
+                       "faults.schedule": [{"at_step": 7, "class": "hardware_fault", "target": "a/0"}]})
+    result = twin.simulate(scenario(raw))
+    assert result.summary["restarts"] == 1
+    assert result.summary["faults"][0]["action"] == "checkpoint_restart"
+    assert result.summary["faults"][0]["lost_steps"] == 2
+
+
+def test_fault_on_an_idle_spare_costs_nothing():
+    raw = tiny_with(**{"faults.schedule": [{"at_step": 3, "class": "hardware_fault", "target": "b/1"}]})
+    result = twin.simulate(scenario(raw))
+    assert episodes(result.events)[0] == ["fault"]
+    assert result.summary["faults"][0]["cost_s"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_failures_strike_during_restarts_and_checkpoints():
+    raw = {"run": {"name": "flaky", "seed": 2, "steps": 3000},
+           "workload": {"step_compute_s": 1.0, "compute_jitter": 0.0, "gradient_bytes": 0, "slots": 1},
+           "checkpoint": {"interval_steps": 100, "mode": "sync", "weights_bytes": 60_000_000_000,
+                          "optimizer_bytes": 0, "write_gbyte_s": 1.0},
+           "regions": [{"name": "solo", "nodes": 1}],
+           "faults": {"hardware_fault": {"mtbf_node_hours": 0.05}},
+           "policy": {"kind": "checkpoint_restart", "restart_s": 60.0, "replace_node_s": 0.0}}
+    events = twin.simulate(scenario(raw)).events
+    kinds = [e.kind for e in events if e.kind in ("step", "restart", "checkpoint_start", "checkpoint_end", "fault")]
+    # a restart broken by a fault: two restarts with no commit in between
+    pairs = list(zip(kinds, kinds[1:], kinds[2:]))
+    assert ("restart", "fault", "restart") in pairs
+    # a checkpoint broken by a fault: a start with no end before the fault
+    assert ("checkpoint_start", "fault") in list(zip(kinds, kinds[1:]))
+
+
+def test_async_checkpoint_stalls_only_for_the_snapshot():
+    raw = tiny_with(**{"checkpoint.mode": "async", "checkpoint.snapshot_gbyte_s": 20.0,
+                       "checkpoint.write_gbyte_s": 0.5, "faults.schedule": []})
+    events = twin.simulate(scenario(raw)).events
+    start = next(e for e in events if e.kind == "checkpoint_start")
+    after = next(e for e in events if e.kind == "step" and e.t > start.t)
+    end = next(e for e in events if e.kind == "checkpoint_end")
+    assert after.t - start.t == pytest.approx(2e9 / 20e9 + 2.122)  # snapshot, then the next step
+    assert end.t - start.t == pytest.approx(0.1 + 4.0)  # the write, in the background
+    assert end.t > after.t
+
+
+# ----------------------------------------------------------------------------- policies compared
+
+def test_absorb_beats_checkpoint_restart_on_the_same_fault_trace():
+    overrides = ["run.steps=8000", "faults.hardware_fault.mtbf_node_hours=300"]
+    absorb = twin.simulate(load(MULTIREGION, overrides), seed=4)
+    restart = twin.simulate(load(MULTIREGION, overrides + ["policy.kind=checkpoint_restart"]), seed=4)
+    arrivals = lambda r: [(e.t, e.target) for e in r.events if e.kind == "fault"][:3]  # noqa: E731
+    assert arrivals(absorb) == arrivals(restart)  # one trace: the same first faults at the same times
+    assert absorb.summary["restarts"] == 0 and restart.summary["restarts"] >= 3
+    assert absorb.summary["goodput"] > restart.summary["goodput"] + 0.02
+    assert absorb.summary["wall_s"] < restart.summary["wall_s"]
+
+
+def test_default_scenario_headline():
+    result = twin.simulate(load(MULTIREGION))
+    s = result.summary
+    assert (s["nodes"], s["regions"], s["restarts"], s["faults_scheduled"]) == (46, 4, 0, 1)
+    first = s["faults"][0]
+    assert (first["class"], first["target"], first["at_step"]) == ("hardware_fault", "us-east/3", 12)
+    assert first["action"] == "replicate_resume" and first["lost_steps"] == 0
+    assert 0.95 < s["goodput"] <= 1.0
+
+
+def test_local_scenario_absorbs_one_fault_of_each_class():
+    s = twin.simulate(load(LOCAL)).summary
+    assert [f["class"] for f in s["faults"]] == ["hardware_fault", "network_jitter",
+                                                 "partial_cluster_loss", "data_shard_skew"]
+    assert s["restarts"] == 0
+
+
+def test_replicas_report_a_confidence_interval():
+    s = load(MULTIREGION, ["run.steps=3000"])
+    serial = twin.simulate_replicas(s, 3, seed=20, processes=1, progress=False)
+    parallel = twin.simulate_replicas(s, 3, seed=20, processes=2, progress=False)
+    assert serial["summaries"] == parallel["summaries"]
+    low, high = serial["goodput_ci95"]
+    assert low <= serial["goodput"] <= high
+    assert serial["replicas"] == 3 and serial["seeds"] == [20, 21, 22]
+    assert serial["summaries"][1] == twin.simulate(s, seed=21).summary
+    with pytest.raises(InputError):
+        twin.simulate_replicas(s, 0)
+
+
+def test_twin_never_imports_the_runtime_or_torch():
+    import subprocess
+    import sys
+    code = ("import sys, twin, twin.cli, twin.model; import keel.scenario as k; "
+            "twin.simulate(k.load(sys.argv[1]));"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('runtime', 'torch')]; print(bad); "
+            "sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code, str(LOCAL)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_step_sampling_keeps_the_metrics_exact():
+    # every event is the step's exact commit; fault-free stretches are sampled at segment ends
+    s = load(MULTIREGION, ["run.steps=2500"])
+    result = twin.simulate(s, seed=9)
+    steps = [e for e in result.events if e.kind == "step"]
+    assert len(steps) < 2500 / 10
+    assert result.summary["wall_s"] == pytest.approx(result.events[-1].t)
+    assert result.summary["steps"] == 2500
+    healthy = Simulation(s, TwinParams.from_scenario(s), 9).healthy_step_s
+    assert result.summary["step_time_s"] == pytest.approx(healthy)
+    assert math.isfinite(result.summary["goodput"])
