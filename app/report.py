@@ -62,7 +62,6 @@ def _streamlit_chunks() -> tuple[str, dict[str, str]] | None:
 
 
 _LOADER = """
-const KEEL_EMBED = %s;
 function keelEmbed(embed) {
   for (const el of document.querySelectorAll("div[data-spec]")) {
     const spec = JSON.parse(document.getElementById(el.dataset.spec).textContent);
@@ -74,31 +73,34 @@ function keelEmbed(embed) {
 """
 
 
-def vega_scripts() -> str:
-    """The <script> tags that render every `div[data-spec]` of the page, with no network."""
-    found = _streamlit_chunks()
+def vega_scripts(source: str = "auto") -> str:
+    """The <script> tags that render every `div[data-spec]` of the page, with no network.
+    `source`: "auto" (Streamlit's chunks, else vl-convert), "streamlit" or "vl-convert"."""
+    found = _streamlit_chunks() if source in ("auto", "streamlit") else None
     if found:
         entry, sources = found
         imports = {f"{_PREFIX}{name}": "data:text/javascript;base64," + base64.b64encode(src.encode()).decode()
                    for name, src in sources.items()}
         return (f'<script type="importmap">{json.dumps({"imports": imports})}</script>\n'
-                f'<script type="module">{_LOADER % json.dumps(_PREFIX + entry)}\n'
+                f'<script type="module">{_LOADER}\n'
                 f'import * as chunk from {json.dumps(_PREFIX + entry)};\n'
                 # the chunk's exports are minified names; vega-embed's namespace is the one
                 # whose default export is a function with `vega` and `vegaLite` beside it
                 'const ns = Object.values(chunk).find(v => v && typeof v.default === "function" && v.vega && v.vegaLite)\n'
                 '  || Object.values(chunk).find(v => v && typeof v.default === "function");\n'
                 'keelEmbed(ns.default);\n</script>')
+    if source == "streamlit":
+        raise InputError("keel report: this Streamlit build has no vega-embed chunk (static/static/js/embed.*.js)")
     try:
         import vl_convert
+        from altair.utils._importers import vl_version_for_vl_convert
     except ImportError:
         raise InputError("keel report: no offline copy of vega-embed found (neither Streamlit's "
                          "static chunks nor vl-convert-python); install vl-convert-python") from None
-    import altair as alt
-    bundle = vl_convert.javascript_bundle(
-        "import vegaEmbed from 'vega-embed';\nkeelEmbed(vegaEmbed);\n",
-        vl_version=alt.SCHEMA_VERSION.lstrip("v").rsplit(".", 1)[0].replace(".", "_"))
-    return f'<script type="module">{_LOADER % "null"}\n{bundle}\n</script>'
+    bundle = vl_convert.javascript_bundle(vl_version=vl_version_for_vl_convert())  # sets window.vegaEmbed
+    bundle = bundle.replace("</script", "<\\/script")
+    return (f"<script>{bundle}</script>\n"
+            f"<script>{_LOADER}\nkeelEmbed(window.vegaEmbed);\n</script>")
 
 
 # ----------------------------------------------------------------------------- HTML
@@ -137,7 +139,7 @@ def table_html(rows: Sequence[dict[str, Any]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def render(title: str, meta: str, sections: Iterable[Section]) -> str:
+def render(title: str, meta: str, sections: Iterable[Section], js_source: str = "auto") -> str:
     parts, specs = [], []
     for i, (heading, content) in enumerate(sections):
         body: str
@@ -153,7 +155,7 @@ def render(title: str, meta: str, sections: Iterable[Section]) -> str:
     return ("<!doctype html>\n<html><head><meta charset=\"utf-8\">"
             f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>\n"
             f"<h1>{html.escape(title)}</h1><p class=\"meta\">{html.escape(meta)}</p>\n"
-            + "\n".join(parts) + "\n" + "\n".join(specs) + "\n" + vega_scripts() + "\n</body></html>\n")
+            + "\n".join(parts) + "\n" + "\n".join(specs) + "\n" + vega_scripts(js_source) + "\n</body></html>\n")
 
 
 # ----------------------------------------------------------------------------- what goes in
@@ -222,7 +224,7 @@ def plan_sections(path: Path) -> tuple[str, list[Section]]:
     ]
 
 
-def build(path: str | Path) -> str:
+def build(path: str | Path, js_source: str = "auto") -> str:
     from app import data
     path = Path(path)
     if not path.is_dir():
@@ -234,7 +236,7 @@ def build(path: str | Path) -> str:
                          "directory (comparison.json) or a plan directory (plan.json)")
     title, sections = builders[kind](path)
     meta = f"{kind} directory {path} - keel report, {dt.datetime.now().isoformat(timespec='seconds')}"
-    return render(title, meta, sections)
+    return render(title, meta, sections, js_source)
 
 
 def cli(args: Any) -> int:

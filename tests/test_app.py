@@ -194,6 +194,23 @@ def test_plan_page_over_a_real_plan(monkeypatch, runs_root):
     assert at.session_state["policy_b"]
 
 
+@pytest.mark.timeout(300)
+def test_plan_page_runs_the_planner_on_the_current_scenario(monkeypatch, runs_root, tmp_path):
+    need(plan_run(runs_root))  # the planner is in the checkout
+    at = open_app(monkeypatch, runs_root, "topology")
+    at.selectbox(key=f"topology_file{at.session_state['topology_gen']}").select(str(REPO / "scenarios" / "local-8.toml")).run()
+    at.switch_page("pages/plan.py").run()
+    at.number_input(key="plan_trials").set_value(3)
+    at.number_input(key="plan_replicas").set_value(1)
+    at.text_input(key="plan_out").input(str(tmp_path / "plan")).run()
+    at.button(key="plan_run").click().run()
+    no_exception(at)
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan["scenario"] == "local-8" and (tmp_path / "plan" / "scenario.toml").is_file()
+    assert "recovery policies: goodput against cost" in titles(charts(at))
+    assert not at.warning  # made for the current scenario
+
+
 # ----------------------------------------------------------------------------- Compare
 
 def _compare(monkeypatch, root: Path, validation: Path) -> AppTest:
