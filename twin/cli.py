@@ -18,7 +18,7 @@ def simulate(args: argparse.Namespace) -> int:
 
     scenario = load(args.scenario, args.overrides)
     calibration = load_calibration(args.calibration) if args.calibration else None
-    replicas = getattr(args, "replicas", 1) or 1
+    replicas = args.replicas
     if replicas < 1:
         raise InputError(f"--replicas: expected at least 1, got {replicas}")
     out = Path(args.out) if args.out else None
