@@ -34,10 +34,13 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
                  resume: str | Path | None = None, no_faults: bool = False,
                  allow_config_change: bool = False, progress: bool = True,
                  listen: str = "127.0.0.1:0", spawn: bool = True, hangs: str | None = None,
-                 device: str = "cpu") -> dict[str, Any]:
+                 device: str | None = None, backend: str | None = None) -> dict[str, Any]:
     """Run `scenario` for real: a coordinator here, one worker process per node. Writes
     `out_dir/events.jsonl` and `out_dir/summary.json`; returns the summary. Raises
-    `keel.errors.RunFailed` if the run could not complete, `InputError` for bad input."""
+    `keel.errors.RunFailed` if the run could not complete, `InputError` for bad input.
+    `device`/`backend` default to $KEEL_DEVICE ("cpu") and $KEEL_BACKEND ("gloo"; "nccl" needs
+    a GPU per worker)."""
+    import os
     from runtime.coordinator import Coordinator
 
     scenario = with_steps(scenario, steps)
@@ -45,7 +48,9 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
         scenario = without_faults(scenario)
     out = Path(out_dir)
     coord = Coordinator(scenario, out, resume=resume, allow_config_change=allow_config_change,
-                        progress=progress, listen=listen, spawn=spawn, hangs=hangs, device=device)
+                        progress=progress, listen=listen, spawn=spawn, hangs=hangs,
+                        device=device or os.environ.get("KEEL_DEVICE", "cpu"),
+                        backend=backend or os.environ.get("KEEL_BACKEND", "gloo"))
     summary = coord.run()
     (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     return summary

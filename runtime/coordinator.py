@@ -148,7 +148,7 @@ class Coordinator:
     def __init__(self, scenario: Scenario, out_dir: str | Path, *, resume: str | Path | None = None,
                  no_faults: bool = False, allow_config_change: bool = False, progress: bool = True,
                  listen: str = "127.0.0.1:0", spawn: bool = True, hangs: str | None = None,
-                 device: str = "cpu", data_root: str | None = None):
+                 device: str = "cpu", backend: str = "gloo", data_root: str | None = None):
         self.sc = scenario
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -157,6 +157,7 @@ class Coordinator:
         self.progress = progress
         self.spawn_local = spawn
         self.device = device
+        self.backend = backend
         self.data_root = data_root
         self.allow_config_change = allow_config_change
         self.config = _strip_none(scenario.to_dict())
@@ -340,7 +341,8 @@ class Coordinator:
         chan.send({"type": "welcome", "node": node, "scenario": self.config, "source": self.sc.source,
                    "store_port": self.store.port, "store_host": self.host, "config_hash": self.config_hash,
                    "out_dir": str(self.out.resolve()), "allow_config_change": self.allow_config_change,
-                   "device": self.device, "data_root": self.data_root})
+                   "device": self.device, "backend": self.backend, "data_root": self.data_root,
+                   "local_index": self.order[node]})
 
     # ------------------------------------------------------------------------- the loop
 

@@ -14,7 +14,7 @@ even with wrap-around), so we add integers:
    even to int64 and summed over the worker's slots. With that shift no sum of `slots` terms
    can overflow 2^63.
 3. One all-reduce SUM of the int64 vector. Its result is the exact sum of the rounded values,
-   whatever the grouping. Decoding (int64 -> float64, x 2^-shift_i, / slots, -> float32) is a
+   whatever the grouping. Decoding (int64 -> float64, x (2^-shift_i / slots), -> float32) is a
    fixed sequence of operations on identical inputs, so every worker gets identical bits.
 
 Accuracy: each value is quantised to M_i x 2^-(60 - log2 slots) or finer, 2^-36 below the
@@ -27,6 +27,7 @@ step is not committed (quarantine, see worker.py). The int64 round is then skipp
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -58,23 +59,27 @@ class Layout:
     def segments(self) -> int:
         return len(self.sizes)
 
-    def segment_ids(self) -> torch.Tensor:
-        return torch.repeat_interleave(torch.arange(self.segments), torch.tensor(self.sizes))
+    @functools.cached_property
+    def sizes_t(self) -> torch.Tensor:
+        return torch.tensor(self.sizes, dtype=torch.int64)
+
+    @functools.cached_property
+    def seg_ids(self) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(self.segments), self.sizes_t)
+
+    def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
+        return torch.repeat_interleave(per_segment, self.sizes_t)
 
 
 def local_maxima(layout: Layout, slot_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
     """float32[segments + 1]: max |value| per segment over these slots, then the non-finite
-    flag (1.0 if any value is NaN or infinite). Non-finite values count 0 in the maxima."""
-    maxima = torch.zeros(layout.segments + 1, dtype=torch.float32)
+    flag (1.0 if any value is NaN or infinite; such segments count 0 in the maxima)."""
+    m = torch.zeros(layout.segments, dtype=torch.float32)
     for v in slot_vectors:
-        finite = torch.isfinite(v)
-        if not bool(finite.all()):
-            maxima[-1] = 1.0
-            v = torch.where(finite, v, torch.zeros((), dtype=v.dtype))
-        parts = torch.split(v.abs(), list(layout.sizes))
-        m = torch.stack([p.max() if p.numel() else torch.zeros(()) for p in parts])
-        maxima[:-1] = torch.maximum(maxima[:-1], m)
-    return maxima
+        m.scatter_reduce_(0, layout.seg_ids, v.abs(), reduce="amax", include_self=True)  # NaN propagates
+    finite = torch.isfinite(m)
+    flag = torch.zeros(1) if bool(finite.all()) else torch.ones(1)
+    return torch.cat([torch.where(finite, m, torch.zeros(())), flag])
 
 
 def shifts(global_maxima: torch.Tensor, slots: int) -> torch.Tensor:
@@ -87,23 +92,20 @@ def shifts(global_maxima: torch.Tensor, slots: int) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int64)
 
 
-def encode(layout: Layout, slot_vectors: Sequence[torch.Tensor], shift: torch.Tensor,
-           seg_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """int64[total]: the sum over these slots of round(value x 2^shift) (exact)."""
-    seg_ids = layout.segment_ids() if seg_ids is None else seg_ids
-    scale = torch.ldexp(torch.ones(layout.total, dtype=torch.float64), shift[seg_ids])
-    acc = torch.zeros(layout.total, dtype=torch.int64)
+def encode(layout: Layout, slot_vectors: Sequence[torch.Tensor], shift: torch.Tensor) -> torch.Tensor:
+    """int64[total]: the sum over these slots of round_half_even(value x 2^shift) (exact)."""
+    scale = layout.expand(torch.exp2(shift.to(torch.float64)))  # powers of two: exact
+    acc = None
     for v in slot_vectors:
-        acc += torch.round(v.to(torch.float64) * scale).to(torch.int64)
-    return acc
+        q = torch.round(v.to(torch.float64).mul_(scale)).to(torch.int64)
+        acc = q if acc is None else acc.add_(q)
+    return acc if acc is not None else torch.zeros(layout.total, dtype=torch.int64)
 
 
-def decode(layout: Layout, total: torch.Tensor, shift: torch.Tensor, slots: int,
-           seg_ids: torch.Tensor | None = None) -> torch.Tensor:
+def decode(layout: Layout, total: torch.Tensor, shift: torch.Tensor, slots: int) -> torch.Tensor:
     """float32[total]: the mean over all slots from the all-reduced int64 sum."""
-    seg_ids = layout.segment_ids() if seg_ids is None else seg_ids
-    unscale = torch.ldexp(torch.ones(layout.total, dtype=torch.float64), -shift[seg_ids])
-    return (total.to(torch.float64) * unscale / slots).to(torch.float32)
+    mult = layout.expand(torch.exp2(-shift.to(torch.float64)) / slots)
+    return total.to(torch.float64).mul_(mult).to(torch.float32)
 
 
 def reduce_local(layout: Layout, per_worker: Sequence[Sequence[torch.Tensor]], slots: int) -> torch.Tensor | None:
@@ -158,7 +160,6 @@ class SlotReducer:
     def __init__(self, layout: Layout, slots: int, device: str = "cpu"):
         self.layout = layout
         self.slots = slots
-        self.seg_ids = layout.segment_ids()
         self.device = device
 
     def reduce(self, pg, slot_vectors: Sequence[torch.Tensor], should_abort: Callable[[], bool],
@@ -175,9 +176,9 @@ class SlotReducer:
         if m[-1] > 0:
             return None
         sh = shifts(m, self.slots)
-        total = self._to_dev(encode(self.layout, slot_vectors, sh, self.seg_ids))
+        total = self._to_dev(encode(self.layout, slot_vectors, sh))
         allreduce(pg, total, dist.ReduceOp.SUM, should_abort)
-        return decode(self.layout, total.cpu(), sh, self.slots, self.seg_ids)
+        return decode(self.layout, total.cpu(), sh, self.slots)
 
     def _to_dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device == "cpu" else t.to(self.device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import queue
 import signal
@@ -64,7 +65,12 @@ class Worker:
         self.scenario = from_dict(welcome["scenario"], source=welcome.get("source", "<coordinator>"))
         torch.set_num_threads(1)
         torch.manual_seed(self.scenario.run.seed)
-        self.device = welcome.get("device", "cpu")
+        self.device = welcome.get("device") or "cpu"
+        self.backend = welcome.get("backend") or "gloo"
+        if self.device.startswith("cuda"):
+            if self.backend == "nccl":  # one GPU per rank: the node's index among this machine's GPUs
+                self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', welcome.get('local_index', 0))) % torch.cuda.device_count()}"
+            torch.cuda.set_device(torch.device(self.device))
 
         from runtime.data import Loader, ensure_dataset
         from runtime.model import build_model, build_optimizer
@@ -202,6 +208,13 @@ class Worker:
 
     def _make_group(self, g: int, rank: int, world: int):
         dist = self.dist
+        if self.backend == "nccl":  # each rank on a GPU of its own
+            store = dist.TCPStore(self.store_host, self.store_port, None, False, timeout=datetime.timedelta(seconds=300))
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = PG_TIMEOUT
+            pg = dist.ProcessGroupNCCL(dist.PrefixStore(f"gen{g}/", store), rank, world, opts)
+            self.pgs.append(pg)
+            return pg
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.gloo_host, lazy_init=True)]
         opts._timeout = PG_TIMEOUT
@@ -230,10 +243,11 @@ class Worker:
     def _broadcast_state(self, pg, source: int, should_abort) -> None:
         """Weights and AdamW state from the live peer `source`, in one flat float32 tensor
         (bytes copied, so bit-exact)."""
-        has_opt = torch.tensor([float(bool(self.optimizer.state))])
+        has_opt = torch.tensor([float(bool(self.optimizer.state))], device=self.device)
         broadcast(pg, has_opt, source, should_abort)
+        has_opt = has_opt.cpu()
         tensors = self._state_tensors(bool(has_opt.item()))
-        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
         if self.device != "cpu":
             flat = flat.to(self.device)
         broadcast(pg, flat, source, should_abort)
@@ -265,7 +279,7 @@ class Worker:
                 raise Aborted()
             t0 = time.perf_counter()
             poisoned = poisoned_at(self.poison, step)
-            vectors, suspects = [], set()
+            vectors, batches = [], []
             for slot in self.slots:
                 b = self.loader.batch(step, slot, self.quarantine, poisoned)
                 x, y, w = b.x, b.y, b.w
@@ -274,11 +288,8 @@ class Worker:
                 self.model.zero_grad(set_to_none=True)
                 loss = slot_loss(self.model, x, y, w)
                 loss.backward()
-                vec = torch.cat([p.grad.reshape(-1) for p in self.params] + [loss.detach().reshape(1)]).cpu()
-                if not bool(torch.isfinite(vec).all()):
-                    bad = [s for s, wi in zip(b.shards, w.cpu().tolist()) if wi != wi]
-                    suspects.update(bad)
-                vectors.append(vec)
+                vectors.append(torch.cat([p.grad.reshape(-1) for p in self.params] + [loss.detach().reshape(1)]).cpu())
+                batches.append(b)
             t_compute = time.perf_counter() - t0
             gate_s = [0.0]
 
@@ -288,7 +299,9 @@ class Worker:
                     raise Aborted()
             mean = self.reducer.reduce(pg, vectors, should_abort, before_comm)
             t_ready = t_compute + gate_s[0]
-            if mean is None:
+            if mean is None:  # some slot somewhere is non-finite: which of my samples were?
+                suspects = {sh for b, v in zip(batches, vectors) if not bool(torch.isfinite(v).all())
+                            for sh, wi in zip(b.shards, b.w.tolist()) if not math.isfinite(wi)}
                 self._nonfinite(g, step, sorted(suspects), should_abort)
                 continue  # redo the step with the new quarantine set
             with torch.no_grad():
