@@ -330,15 +330,12 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
     kill_target, hang_target = trained[1], trained[2]
     per_slot_copy_s = (base.checkpoint.weights_bytes + base.checkpoint.optimizer_bytes) / base.slot_count \
         / (transfer_gbyte_s * 1e9)
-    spike_at, spike_s = max(3, (2 * steps) // 5), 0.1
-    spike_target = trained[3]
-    # a spike long enough for a few steps; straggler_factor high, so its slots stay and every
-    # step it lasts shows the delay
+    spike_at, spike_s = max(3, (2 * steps) // 5), 0.15
+    spike_target = trained[3]  # holds one slot
     sc = calibration_scenario(base, steps=steps, schedule=[
         {"at_step": kill_at, "class": "hardware_fault", "target": kill_target},
         {"at_step": spike_at, "class": "network_jitter", "target": spike_target,
-         "spike_ms": spike_s * 1e3, "duration_s": 1.0}],
-        overrides={"policy.straggler_factor": 100.0})
+         "spike_ms": spike_s * 1e3, "duration_s": 1.5}])
     out: dict[str, list[float]] = {k: [] for k in ("detect_kill_s", "detect_hang_s", "reform_s",
                                                  "spare_takeover_s", "step_time_s", "restart_s",
                                                  "spike_rounds")}
@@ -351,12 +348,11 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
         pause = {}
         for fid, ep in _episode_times(events).items():
             t = ep["t"]
-            if ep["class"] == "network_jitter" and "fault" in t:
-                until = t["fault"] + float(ep["detail"]["fault"].get("duration_s", 1.0))
-                commits = [e.t for e in events if e.kind == "step" and t["fault"] < e.t <= until]
-                slow = [b - a for a, b in zip(commits, commits[1:])]  # whole steps inside the spike
-                if slow:
-                    out["spike_rounds"].append(max(0.0, (statistics.median(slow) - step) / spike_s))
+            if ep["class"] == "network_jitter":
+                # the straggler's own excess per slot when it was found (it holds one slot)
+                d = ep["detail"].get("detect", {})
+                if "per_slot_s" in d and "median_per_slot_s" in d:
+                    out["spike_rounds"].append(max(0.0, (d["per_slot_s"] - d["median_per_slot_s"]) / spike_s))
                 continue
             if not {"fault", "detect", "recover_end"} <= set(t):
                 continue
@@ -384,6 +380,38 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
 
 
 # ----------------------------------------------------------------------------- calibrate
+
+def pace_split(step_time_s: float, compute_s: float, latency_s: float, gbyte_s: float,
+               gradient_bytes: float) -> tuple[float, float]:
+    """Split a measured fault-free step into compute, reduction and overhead: returns (the
+    factor the reduction's latency is multiplied and its bandwidth divided by, the per-step
+    overhead). The in-situ reduction is the step minus the compute; where the benchmarked
+    reduction is slower it is scaled down to it, else the rest is overhead."""
+    micro = latency_s + gradient_bytes / (gbyte_s * 1e9)
+    in_situ = step_time_s - compute_s
+    if micro <= 0:
+        return 1.0, max(0.0, in_situ)
+    return min(1.0, max(in_situ, 1e-6) / micro), max(0.0, in_situ - micro)
+
+
+def refresh_pace(calibration: Mapping[str, Any], scenario: S.Scenario, step_time_s: float,
+                 how: str) -> dict[str, Any]:
+    """The calibration with its load-dependent fault-free pace re-measured: the reduction's
+    level and the per-step overhead re-split from `step_time_s` (every other primitive kept)."""
+    import copy
+    cal = copy.deepcopy(dict(calibration))
+    p = cal["primitives"]
+    slots_per_worker = -(-scenario.slot_count // scenario.training_nodes)
+    compute = slots_per_worker * p["slot_compute_s"]["median"]
+    lat = p["reduce_latency_s"].get("micro_benchmark", p["reduce_latency_s"])["median"]
+    bw = p["reduce_gbyte_s"].get("micro_benchmark", p["reduce_gbyte_s"])["median"]
+    scale, over = pace_split(step_time_s, compute, lat, bw, scenario.workload.gradient_bytes)
+    for name, value in (("reduce_latency_s", lat * scale), ("reduce_gbyte_s", bw / scale),
+                        ("step_overhead_s", over)):
+        p[name] = {**p[name], "median": value, "refreshed": {"how": how, "step_time_s": step_time_s,
+                                                               "calibrated_median": p[name]["median"]}}
+    return cal
+
 
 def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: str | Path | None = None,
               progress: bool = True) -> dict[str, Any]:
@@ -425,14 +453,13 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
     # and where it came out faster the rest is per-step overhead.
     slot_compute = statistics.median(compute)
     slots_per_worker = -(-base.slot_count // world)
-    micro_reduce_s = statistics.median(lat) + base.workload.gradient_bytes / (statistics.median(bw) * 1e9)
     lat_s, bw_s, overhead = [], [], []
     for st in rec["step_time_s"]:
-        in_situ = st - slots_per_worker * slot_compute
-        scale = min(1.0, max(in_situ, 1e-6) / micro_reduce_s)
+        scale, over = pace_split(st, slots_per_worker * slot_compute, statistics.median(lat),
+                                 statistics.median(bw), base.workload.gradient_bytes)
         lat_s += [x * scale for x in lat]
         bw_s += [x / scale for x in bw]
-        overhead.append(max(0.0, in_situ - micro_reduce_s))
+        overhead.append(over)
     primitives = {
         "slot_compute_s": entry(compute, "s", how="one slot's forward+backward, real model and data, one process at a time"),
         "step_overhead_s": entry(overhead, "s", how="runtime fault-free step time - slots x slot_compute - reduction",
@@ -450,7 +477,8 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
     }
     if rec["spike_rounds"]:
         primitives["spike_rounds"] = entry(rec["spike_rounds"], "rounds",
-                                           how="(step interval during a spike - fault-free step) / spike, runtime runs")
+                                           how="a spiked worker's excess time per step over the median, / spike, "
+                                               "when the runtime found it a straggler")
     for name, how in (("detect_kill_s", "detect - fault of a SIGKILLed worker, runtime runs"),
                       ("detect_hang_s", "detect - fault of a SIGSTOPped worker, runtime runs"),
                       ("reform_s", "hung worker: detect to first commit - one step - state copy, runtime runs"),

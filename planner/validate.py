@@ -204,9 +204,32 @@ def compare(scenario: S.Scenario, predicted: Mapping[str, Any], observed: Sequen
     }
 
 
+PACE_STEPS = 30
+
+
+def pace_run(scenario: S.Scenario, calibration: Mapping[str, Any], out_dir: Path,
+             progress: bool) -> tuple[dict, dict]:
+    """The fault-free pace depends on how busy the machine is now, not only on what it is: one
+    fault-free runtime run of the scenario (its own directory, not one of the judged runs)
+    re-measures it, and the calibration's reduction level and per-step overhead are re-split
+    from it (`planner.calibrate.refresh_pace`); every other primitive is the calibration's."""
+    from planner.calibrate import refresh_pace
+    from runtime.api import run_scenario
+    pace_dir = out_dir / "runtime" / "pace"
+    if progress:
+        print(f"validate: a fault-free pace run -> {pace_dir}", file=sys.stderr)
+    summary = run_scenario(scenario, pace_dir, steps=min(scenario.run.steps, PACE_STEPS), no_faults=True,
+                           progress=progress)
+    step = float(summary["step_time_s"])
+    refreshed = refresh_pace(calibration, scenario, step, f"fault-free pace run {pace_dir}")
+    p = refreshed["primitives"]
+    return refreshed, {"dir": str(pace_dir), "step_time_s": step, "steps": summary["steps"],
+                       **{k: p[k]["median"] for k in ("reduce_latency_s", "reduce_gbyte_s", "step_overhead_s")}}
+
+
 def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | None = None,
              repetitions: int | None = None, replicas: int = 16, progress: bool = True,
-             processes: int | None = None) -> dict[str, Any]:
+             processes: int | None = None, refresh_pace: bool = True) -> dict[str, Any]:
     """Run, replay, compare; writes out_dir/comparison.json and returns it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -216,9 +239,13 @@ def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | No
     cal, cal_path, how = resolve_calibration(calibration, out, progress)
     if progress:
         print(f"validate: calibration {cal_path} ({how})", file=sys.stderr)
+    pace = None
+    if refresh_pace:
+        cal, pace = pace_run(scenario, cal, out, progress)
     observed = runtime_observation(scenario, repetitions or scenario.validate.repetitions, out, progress)
     predicted = twin_prediction(scenario, cal, replicas, out, processes)
     comparison = compare(scenario, predicted, observed, cal_path, how)
+    comparison["pace_run"] = pace
     (out / "comparison.json").write_text(json.dumps(comparison, indent=1, sort_keys=True, allow_nan=False) + "\n")
     return comparison
 
