@@ -498,12 +498,12 @@ class Coordinator:
         self.gen += 1
         self.members = sorted(self.slot_map, key=self.order.get)
         live_members = [self.workers[m] for m in self.members]
-        broadcast = force_broadcast or any(w.committed != start for w in live_members)
         source = next((i for i, w in enumerate(live_members) if w.committed == start), 0)
+        behind = [i for i, w in enumerate(live_members) if i != source and (force_broadcast or w.committed != start)]
         self.reports = {k: v for k, v in self.reports.items() if k <= start}
         self.nonfinite = {}
         base = {"type": "gen", "gen": self.gen, "world": len(self.members), "members": self.members,
-                "slot_map": self.slot_map, "start_step": start, "source": source, "broadcast": broadcast,
+                "slot_map": self.slot_map, "start_step": start, "source": source, "behind": behind,
                 "load": load, "quarantine": sorted(self.quarantine), "poison": self.poison}
         self.gen_t.setdefault(self.gen, {})["announced"] = time.monotonic()
         for rank, m in enumerate(self.members):
@@ -697,6 +697,7 @@ class Coordinator:
             detail["detect_s"] = ep.t_detect - ep.t
         if ep.end_gen == self.gen and ep.end_step is None and "announced" in t:
             detail["reform_s"] = t.get("abort_s", 0.0) + t.get("pg_s", 0.0)
+            detail["ack_s"] = t.get("abort_s", 0.0)
             detail["state_s"] = t.get("state_s", 0.0)
             if "ready" in t:
                 detail["redo_s"] = time.monotonic() - t["ready"]

@@ -7,7 +7,7 @@ Launched by `keel run` (one per scenario node), by hand on other machines, or by
 (the node is then taken from RANK: the coordinator maps rank i to the i-th scenario node).
 
 Per generation it builds a fresh gloo group on `PrefixStore("gen{g}/", store)` (lazily
-connected, so forming it never blocks), receives the state by broadcast if it is behind,
+connected, so forming it never blocks), receives the state from a live peer if it is behind,
 and steps: for each of its slots a forward/backward on that slot's micro-batch, then the
 deterministic two-collective reduction over all slots (reduction.py), then AdamW. Every wait
 on a collective polls for the coordinator's abort, so a lost peer never costs a timeout.
@@ -187,8 +187,8 @@ class Worker:
             if msg.get("load") and rank == msg["source"]:
                 self._load_checkpoint(msg["load"])
             t1 = time.perf_counter()
-            if msg.get("broadcast"):
-                self._broadcast_state(pg, int(msg["source"]), should_abort)
+            if msg.get("behind"):
+                self._transfer_state(g, rank, int(msg["source"]), list(msg["behind"]), should_abort)
             self.committed = int(msg["start_step"])
             t_state = time.perf_counter() - t1
             self.chan.send({"type": "ready", "gen": g, "pg_s": t_pg, "state_s": t_state})
@@ -206,13 +206,14 @@ class Worker:
                             "error": str(e).splitlines()[0][:200]})
             self.acked_gen = g
 
-    def _make_group(self, g: int, rank: int, world: int):
+    def _make_group(self, g: int, rank: int, world: int, prefix: str | None = None):
+        prefix = prefix or f"gen{g}/"
         dist = self.dist
         if self.backend == "nccl":  # each rank on a GPU of its own
             store = dist.TCPStore(self.store_host, self.store_port, None, False, timeout=datetime.timedelta(seconds=300))
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = PG_TIMEOUT
-            pg = dist.ProcessGroupNCCL(dist.PrefixStore(f"gen{g}/", store), rank, world, opts)
+            pg = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, world, opts)
             self.pgs.append(pg)
             return pg
         opts = dist.ProcessGroupGloo._Options()
@@ -222,7 +223,7 @@ class Worker:
         # store wait on the old connection (a dead peer's address never comes), holding it
         store = dist.TCPStore(self.store_host, self.store_port, None, False,
                               timeout=datetime.timedelta(seconds=300))
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{g}/", store), rank, world, opts)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, opts)
         self.pgs.append(pg)
         return pg
 
@@ -240,17 +241,23 @@ class Worker:
                 out += [st["exp_avg"], st["exp_avg_sq"], st["step"].reshape(1)]
         return out
 
-    def _broadcast_state(self, pg, source: int, should_abort) -> None:
-        """Weights and AdamW state from the live peer `source`, in one flat float32 tensor
-        (bytes copied, so bit-exact)."""
+    def _transfer_state(self, g: int, rank: int, source: int, behind: list[int], should_abort) -> None:
+        """Weights and AdamW state from the live peer `source` to the members that are behind
+        (a hot spare, a returning straggler), in one flat float32 tensor (bytes copied, so
+        bit-exact), broadcast in a group of just those ranks: members already at the start step
+        take no part."""
+        party = [source] + sorted(r for r in behind if r != source)
+        if rank not in party:
+            return
+        pg = self._make_group(g, party.index(rank), len(party), prefix=f"gen{g}/state/")
         has_opt = torch.tensor([float(bool(self.optimizer.state))], device=self.device)
-        broadcast(pg, has_opt, source, should_abort)
+        broadcast(pg, has_opt, 0, should_abort)
         has_opt = has_opt.cpu()
         tensors = self._state_tensors(bool(has_opt.item()))
-        flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
-        if self.device != "cpu":
-            flat = flat.to(self.device)
-        broadcast(pg, flat, source, should_abort)
+        flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]).to(self.device)
+        broadcast(pg, flat, 0, should_abort)
+        if rank == source:
+            return
         flat = flat.cpu()
         with torch.no_grad():
             off = 0

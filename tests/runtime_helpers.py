@@ -21,7 +21,7 @@ REGIONS = [("a", 2), ("b", 2), ("c", 1)]
 
 def scenario_text(*, steps: int = 14, regions=REGIONS, hot_spares: int = 1, slots: int = 4,
                   interval: int = 5, faults: list[dict[str, Any]] = (), policy: str = "absorb",
-                  detect_timeout_s: float = 1.0, extra: str = "") -> str:
+                  detect_timeout_s: float = 1.0, quarantine: bool = True, extra: str = "") -> str:
     lines = [f'[run]\nname = "rt"\nseed = 5\nsteps = {steps}\n',
              f"[workload]\nslots = {slots}\nmicro_batch = 2\n",
              f'[checkpoint]\ninterval_steps = {interval}\nkeep = 5\nmode = "async"\n']
@@ -33,7 +33,8 @@ def scenario_text(*, steps: int = 14, regions=REGIONS, hot_spares: int = 1, slot
         body = "".join(f"{k} = {json.dumps(v)}\n" for k, v in f.items())
         lines.append(f"[[faults.schedule]]\n{body}")
     lines.append(f'[policy]\nkind = "{policy}"\nheartbeat_s = 0.1\ndetect_timeout_s = {detect_timeout_s}\n'
-                 f"hot_spares = {hot_spares}\nrestart_s = 5.0\nstraggler_factor = 1.5\nstraggler_window = 3\n")
+                 f"hot_spares = {hot_spares}\nrestart_s = 5.0\nstraggler_factor = 1.5\nstraggler_window = 3\n"
+                 f"quarantine = {'true' if quarantine else 'false'}\n")
     lines.append("[model]\nd_model = 32\nlayers = 1\nheads = 2\ncontext = 32\n")
     lines.append("[data]\nshards = 16\n")
     return "\n".join(lines) + extra
