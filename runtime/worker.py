@@ -96,6 +96,7 @@ class Worker:
         self.pgs: list[Any] = []  # old groups stay referenced: destroying one mid-collective blocks
         self.gate = CommGate(hash((sc.run.seed, self.node)) & 0xFFFFFFFF)
         self.abort_gen = -1
+        self.stopping = False
         self.gen = -1
         self.acked_gen = -1
         self.rank = -1
@@ -116,8 +117,10 @@ class Worker:
         while True:
             msg = self.chan.recv()
             if msg is None:  # the coordinator is gone: nothing left to do
-                os._exit(3)
+                os._exit(0 if self.stopping else 3)
             kind = msg.get("type")
+            if kind == "stop":
+                self.stopping = True
             if kind == "abort":
                 self.abort_gen = max(self.abort_gen, int(msg["gen"]))
                 self.abort_event.set()
