@@ -12,7 +12,7 @@ from keel.scenario import FAULT_CLASSES, Scenario
 
 FAULT_COLOURS = {"hardware_fault": "#d62728", "network_jitter": "#ff7f0e",
                  "partial_cluster_loss": "#9467bd", "data_shard_skew": "#8c564b"}
-STATE_COLOURS = {"training": "#c7e9c0", "stalled": "#fdae6b", "restarting": "#e6550d",
+STATE_COLOURS = {"launching": "#d9d9d9", "training": "#c7e9c0", "stalled": "#fdae6b", "restarting": "#e6550d",
                  "checkpoint": "#9ecae1", **FAULT_COLOURS}
 MARK_SHAPES = {"fault": "cross", "detect": "triangle-down", "recover_start": "diamond",
                "recover_end": "circle", "reslot": "triangle-right", "quarantine": "square",
@@ -58,17 +58,18 @@ def topology_chart(scenario: Scenario) -> alt.LayerChart:
 # ----------------------------------------------------------------------------- timelines
 
 def timeline_chart(events: Sequence[Event], summary: dict[str, Any] | None = None,
-                   title: str = "timeline", x_domain: Sequence[float] | None = None) -> alt.LayerChart:
+                   title: str = "timeline", x_domain: Sequence[float] | None = None,
+                   offset: float = 0.0, x_title: str = "time since run start (s)") -> alt.LayerChart:
     """A Gantt of the run: the run lane (training, stalled after a fault, restarting),
     checkpoints, and one lane per fault target with its episode as a bar; faults, detection,
-    recovery, re-slotting and restarts marked."""
-    tl = data.timeline(events, summary)
+    recovery, re-slotting and restarts marked. `offset`: see `data.timeline`."""
+    tl = data.timeline(events, summary, offset)
     lanes = tl["lanes"] + ([data.CHECKPOINT_LANE] if any(b["lane"] == data.CHECKPOINT_LANE for b in tl["bars"])
                            and data.CHECKPOINT_LANE not in tl["lanes"] else [])
     xscale = alt.Scale(domain=list(x_domain)) if x_domain else alt.Undefined
     y = alt.Y("lane:N", sort=lanes, title=None, scale=alt.Scale(domain=lanes))
     bars = alt.Chart(alt.Data(values=tl["bars"])).mark_bar(height={"band": 0.7}, cornerRadius=2).encode(
-        x=alt.X("start:Q", title="time since run start (s)", scale=xscale), x2="end:Q", y=y,
+        x=alt.X("start:Q", title=x_title, scale=xscale), x2="end:Q", y=y,
         color=alt.Color("state:N", scale=_scale(STATE_COLOURS),
                         legend=alt.Legend(title="state", orient="bottom", direction="horizontal", columns=4)),
         tooltip=["label:N", alt.Tooltip("start:Q", format=".3f"), alt.Tooltip("end:Q", format=".3f")])
@@ -81,23 +82,32 @@ def timeline_chart(events: Sequence[Event], summary: dict[str, Any] | None = Non
     return alt.layer(bars, marks).properties(autosize=PAD, width=WIDTH, height=max(60, 28 * len(lanes)), title=title)
 
 
-def aligned_timelines(runs: dict[str, tuple[Sequence[Event], dict[str, Any]]]) -> alt.VConcatChart:
+def aligned_timelines(runs: dict[str, tuple[Sequence[Event], dict[str, Any]]],
+                      offsets: dict[str, float] | None = None) -> alt.VConcatChart:
     """Timelines one above the other on one time axis (twin above the runtime's
-    repetitions), for seeing predicted and observed recovery line up."""
-    ends = [max((e.t for e in ev), default=0.0) for ev, _ in runs.values()]
-    domain = [0.0, max(ends, default=1.0) or 1.0]
-    charts = [timeline_chart(ev, s, title=label, x_domain=domain) for label, (ev, s) in runs.items()]
+    repetitions), for seeing predicted and observed recovery line up. `offsets` shifts a
+    run so that its training starts at 0 (the runtime's launch, from comparison.json)."""
+    offsets = offsets or {}
+    ends = [max((e.t for e in ev), default=0.0) - offsets.get(label, 0.0) for label, (ev, _) in runs.items()]
+    domain = [-max(offsets.values(), default=0.0), max(ends, default=1.0) or 1.0]
+    x_title = "time since training start (s)" if offsets else "time since run start (s)"
+    charts = [timeline_chart(ev, s, title=label + (f" (launch {offsets[label]:.3g} s before 0)" if label in offsets else ""),
+                             x_domain=domain, offset=offsets.get(label, 0.0), x_title=x_title)
+              for label, (ev, s) in runs.items()]
     for chart in charts:
         chart.autosize = alt.Undefined  # set once, on the concatenation
     return alt.vconcat(*charts, autosize=PAD).resolve_scale(x="shared", color="shared", shape="shared")
 
 
-def progress_chart(runs: dict[str, Sequence[Event]]) -> alt.Chart:
-    """Steps committed against time, one line per run: flat stretches are downtime."""
-    rows = [dict(p, run=label) for label, ev in runs.items() for p in data.progress(ev)]
+def progress_chart(runs: dict[str, Sequence[Event]], offsets: dict[str, float] | None = None) -> alt.Chart:
+    """Steps committed against time, one line per run: flat stretches are downtime.
+    `offsets` as for `aligned_timelines`."""
+    offsets = offsets or {}
+    rows = [dict(p, run=label) for label, ev in runs.items() for p in data.progress(ev, offset=offsets.get(label, 0.0))]
     # linear, not a staircase: the twin samples its step events
     return alt.Chart(alt.Data(values=rows)).mark_line().encode(
-        x=alt.X("t:Q", title="time since run start (s)"), y=alt.Y("step:Q", title="steps committed"),
+        x=alt.X("t:Q", title="time since training start (s)" if offsets else "time since run start (s)"),
+        y=alt.Y("step:Q", title="steps committed"),
         color=alt.Color("run:N", title=None, scale=alt.Scale(scheme="tableau10")), tooltip=["run:N", "t:Q", "step:Q"],
     ).properties(autosize=PAD, width=WIDTH, height=220, title="progress")
 

@@ -5,6 +5,7 @@ the twin, the runtime and the planner write (layouts in docs/design.md), plus th
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -129,6 +130,18 @@ def validation_runs(path: str | Path) -> dict[str, Path]:
                   key=lambda p: int(p.name[4:]) if p.name[4:].isdigit() else 1 << 30)
     for p in reps:
         out[p.name] = p
+    return out
+
+
+def launch_offsets(comparison: dict[str, Any], labels: Sequence[str]) -> dict[str, float]:
+    """{'rep-K': the runtime's launch time} from comparison.json (`wall_s.launch_s_reps`,
+    where the validation measured it), so timelines line up on the start of training."""
+    reps = (comparison.get("wall_s") or {}).get("launch_s_reps") or []
+    out = {}
+    for label in labels:
+        k = label[4:]
+        if label.startswith("rep-") and k.isdigit() and int(k) < len(reps) and reps[int(k)]:
+            out[label] = float(reps[int(k)])
     return out
 
 
@@ -302,15 +315,24 @@ def _lane_group(lane: str) -> str:
     return lane.split("/", 1)[0] if "/" in lane else lane
 
 
-def timeline(events: Sequence[Event], summary: dict[str, Any] | None = None) -> dict[str, list[dict[str, Any]]]:
+def timeline(events: Sequence[Event], summary: dict[str, Any] | None = None,
+             offset: float = 0.0) -> dict[str, list[dict[str, Any]]]:
     """An event log laid out for a Gantt: `bars` (lane, start, end, state) and `marks`
     (lane, t, kind) for faults, detection and recovery. Lanes: the run itself (stalled while
     no step commits after a fault, restarting), checkpoints, and each fault's target (a node
-    `region/i`, a region, a shard). Episode bounds come from `keel.metrics`."""
+    `region/i`, a region, a shard). Episode bounds come from `keel.metrics`.
+
+    `offset` (seconds) is subtracted from every time: the runtime's launch, which the twin
+    does not model, so both start training at 0; the launch then shows as negative time."""
     bars: list[dict[str, Any]] = []
     marks: list[dict[str, Any]] = []
     if not events:
         return {"bars": bars, "marks": marks, "lanes": []}
+    if offset:
+        events = [dataclasses.replace(e, t=e.t - offset) for e in events]
+        if summary:
+            summary = {**summary, "faults": [{**f, "t": f["t"] - offset} if f.get("t") is not None else f
+                                             for f in summary.get("faults", [])]}
     summary = summary or metrics.summarize(events)
     start = next((e.t for e in events if e.kind == "run_start"), events[0].t)
     end = next((e.t for e in reversed(events) if e.kind == "run_end"), events[-1].t)
@@ -323,6 +345,10 @@ def timeline(events: Sequence[Event], summary: dict[str, Any] | None = None) -> 
             lanes.append(lane)
         return lane
 
+    if offset > 0 and start < 0:
+        bars.append({"lane": RUN_LANE, "group": RUN_LANE, "start": start, "end": 0.0, "state": "launching",
+                     "fault_id": None, "class": None, "label": f"launch: {offset:.3g} s before training starts"})
+        start = 0.0
     bars.append({"lane": RUN_LANE, "group": RUN_LANE, "start": start, "end": end, "state": "training",
                  "fault_id": None, "class": None, "label": "training"})
     for ep in metrics.fault_episodes(events):
@@ -366,9 +392,10 @@ def timeline(events: Sequence[Event], summary: dict[str, Any] | None = None) -> 
     return {"bars": bars, "marks": marks, "lanes": lanes}
 
 
-def progress(events: Sequence[Event], max_points: int = 400) -> list[dict[str, Any]]:
-    """(t, step) of committed steps, thinned to at most `max_points` (the last one kept)."""
-    pts = [{"t": e.t, "step": e.step} for e in events if e.kind in ("run_start", "step", "run_end")]
+def progress(events: Sequence[Event], max_points: int = 400, offset: float = 0.0) -> list[dict[str, Any]]:
+    """(t, step) of committed steps, thinned to at most `max_points` (the last one kept);
+    `offset` as for `timeline`."""
+    pts = [{"t": e.t - offset, "step": e.step} for e in events if e.kind in ("run_start", "step", "run_end")]
     if len(pts) <= max_points:
         return pts
     stride = -(-len(pts) // max_points)

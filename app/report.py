@@ -205,8 +205,9 @@ def validation_sections(path: Path) -> tuple[str, list[Section]]:
         ("errors against the declared tolerances", data.comparison_rows(comparison)),
     ]
     if runs:
-        sections.append(("timelines: twin above the runtime's repetitions", charts.aligned_timelines(runs)))
-        sections.append(("progress", charts.progress_chart({k: ev for k, (ev, _) in runs.items()})))
+        offsets = data.launch_offsets(comparison, list(runs))
+        sections.append(("timelines: twin above the runtime's repetitions", charts.aligned_timelines(runs, offsets)))
+        sections.append(("progress", charts.progress_chart({k: ev for k, (ev, _) in runs.items()}, offsets)))
     return title, sections
 
 

@@ -91,10 +91,25 @@ def test_timeline_marks_a_restart():
 def test_aligned_timelines_share_one_time_axis(validation):
     runs = {k: data.load_run(p) for k, p in data.validation_runs(validation).items()}
     spec = charts.aligned_timelines(runs).to_dict()
-    assert [c["title"] for c in spec["vconcat"]] == ["twin", "rep-0", "rep-1"]
+    assert [c["title"] for c in spec["vconcat"]] == ["twin", "rep-0", "rep-1"]  # no offsets given
     assert spec["resolve"]["scale"]["x"] == "shared"
     domains = {json.dumps(layer(c, "bar")["encoding"]["x"]["scale"]["domain"]) for c in spec["vconcat"]}
     assert len(domains) == 1
+
+
+def test_timelines_line_up_on_the_start_of_training(validation):
+    comparison = data.load_comparison(validation)
+    runs = {k: data.load_run(p) for k, p in data.validation_runs(validation).items()}
+    offsets = data.launch_offsets(comparison, list(runs))
+    assert offsets == {"rep-0": 0.8, "rep-1": 0.6}
+    spec = charts.aligned_timelines(runs, offsets).to_dict()
+    assert layer(spec["vconcat"][1], "bar")["encoding"]["x"]["scale"]["domain"][0] == -0.8
+    first_fault = {c["title"].split()[0]: next(m["t"] for m in layer(c, "point")["data"]["values"] if m["kind"] == "fault")
+                   for c in spec["vconcat"]}
+    assert first_fault["rep-0"] == pytest.approx(first_fault["twin"], abs=0.02)  # same step, same place
+    launching = [b for b in layer(spec["vconcat"][1], "bar")["data"]["values"] if b["state"] == "launching"]
+    assert launching == [dict(launching[0], start=-0.8, end=0.0)]
+    assert data.launch_offsets({"wall_s": {}}, ["twin", "rep-0"]) == {}
 
 
 def test_progress_is_thinned_but_keeps_the_last_point():

@@ -29,17 +29,28 @@ def available(module: str) -> bool:
         return False
 
 
-def keel(*args: str, timeout: float, ok=(0,)) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def keel(*args: str, timeout: float, ok=(0,), **env_vars: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), **env_vars)
     proc = subprocess.run([sys.executable, "-m", "keel.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode in ok, f"keel {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
     return proc
 
 
+_failed: dict[str, str] = {}
+
+
 def _once(name: str, make) -> tuple[Path | None, str]:
+    """Each producer runs once a session; one that failed is not retried by every test that
+    needs it: they fail at once with its message."""
+    if name in _failed:
+        pytest.fail(f"(producing {name} failed earlier in this session) {_failed[name]}", pytrace=False)
     if name not in _made:
-        _made[name] = make()
+        try:
+            _made[name] = make()
+        except BaseException as e:
+            _failed[name] = f"{type(e).__name__}: {e}"[-4000:]
+            raise
     return _made[name]
 
 
@@ -74,15 +85,27 @@ def plan_run(root: Path) -> tuple[Path | None, str]:
     return _once("plan", make)
 
 
+def calibration(root: Path) -> tuple[Path | None, str]:
+    """`keel calibrate` in its quick mode (KEEL_CALIBRATE_QUICK=1, the planner's switch for tests)."""
+    def make():
+        if not available("planner.calibrate"):
+            return None, "keel calibrate (planner/calibrate.py) is not in this checkout yet"
+        out = root / "calibration.json"
+        keel("calibrate", "--out", str(out), timeout=400, KEEL_CALIBRATE_QUICK="1")
+        return out, ""
+    return _once("calibration", make)
+
+
 def validation_run(root: Path) -> tuple[Path | None, str]:
-    """`keel validate scenarios/local-8.toml` with one runtime repetition and an empty
-    calibration (the twin's scenario figures): comparison.json, twin/, runtime/rep-0/."""
+    """`keel validate scenarios/local-8.toml` with one runtime repetition, on a quick
+    calibration: comparison.json, twin/, runtime/rep-0/."""
     def make():
         if not (twin_ok() and available("planner.validate") and available("runtime.api")):
             return None, "keel validate (planner/validate.py + runtime/api.py) is not in this checkout yet"
+        cal, why = calibration(root)
+        if cal is None:
+            return None, why
         out = root / "validate-local-8"
-        cal = root / "calibration-empty.json"
-        cal.write_text(json.dumps({"primitives": {}}))
         # exit 1 = it ran and the comparison failed its tolerances: still a real comparison
         keel("validate", str(LOCAL), "--calibration", str(cal), "--set", "validate.repetitions=1",
              "--out", str(out), timeout=400, ok=(0, 1))
@@ -104,10 +127,12 @@ def checkpointed_run(root: Path) -> tuple[Path | None, str]:
 
 # ----------------------------------------------------------------------------- hand-written
 
-def _events(step_s: float, faults: list[tuple[int, str, str, str, float]], steps: int = 30) -> list[Event]:
-    """A schema-correct event log: `faults` = (at_step, class, target, action, downtime)."""
+def _events(step_s: float, faults: list[tuple[int, str, str, str, float]], steps: int = 30,
+            launch: float = 0.0) -> list[Event]:
+    """A schema-correct event log: `faults` = (at_step, class, target, action, downtime);
+    training starts `launch` seconds after run_start (the runtime's process start-up)."""
     ev = [Event(0.0, 0, "run_start", detail={"step_time_s": step_s})]
-    t, fid = 0.0, 0
+    t, fid = launch, 0
     by_step = {f[0]: f for f in faults}
     for s in range(steps):
         if s in by_step:
@@ -152,8 +177,10 @@ def handwritten_validation(root: Path, passing: bool = False) -> Path:
     predicted = [0.30, 0.20, 0.40, 0.10]
     factors = [[1.02, 0.97], [1.0, 1.01] if passing else [1.3, 1.28], [0.95, 1.05], [1.0, 1.04]]
     twin = write_run(out / "twin", _events(0.02, [(*f, d) for f, d in zip(FAULTS, predicted)]), "twin")
+    launch = [0.8, 0.6]  # the runtime's start-up before training, which the twin does not model
     reps = [write_run(out / "runtime" / f"rep-{k}",
-                      _events(0.021, [(*f, d * fac[k]) for f, d, fac in zip(FAULTS, predicted, factors)]), "runtime")
+                      _events(0.021, [(*f, d * fac[k]) for f, d, fac in zip(FAULTS, predicted, factors)],
+                              launch=launch[k]), "runtime")
             for k in range(2)]
     faults, errs = [], []
     for i, (f, tf) in enumerate(zip(FAULTS, twin["faults"])):
@@ -170,13 +197,14 @@ def handwritten_validation(root: Path, passing: bool = False) -> Path:
                                     "downtime_s_reps": obs, "cost_s_reps": cost},
                        "downtime_rel_err": err, "cost_rel_err": err})
     median = sorted(errs)[len(errs) // 2]
-    wall_obs = [r["wall_s"] for r in reps]
+    wall_obs = [r["wall_s"] - launch[k] for k, r in enumerate(reps)]
     wall_err = abs(sum(wall_obs) / 2 - twin["wall_s"]) / twin["wall_s"]
     comparison = {
         "scenario": "local-8", "config_hash": "0" * 64, "calibration": "calibration.json", "repetitions": 2,
         "tolerances": {"downtime_rel_tol": 0.10, "wall_rel_tol": 0.05}, "faults": faults,
         "wall_s": {"predicted": twin["wall_s"], "observed": sum(wall_obs) / 2, "observed_reps": wall_obs,
-                   "predicted_ci95": [twin["wall_s"] * 0.98, twin["wall_s"] * 1.02], "rel_err": wall_err},
+                   "predicted_ci95": [twin["wall_s"] * 0.98, twin["wall_s"] * 1.02], "rel_err": wall_err,
+                   "launch_s_reps": launch},
         "goodput": {"predicted": twin["goodput"], "observed": reps[0]["goodput"],
                     "observed_reps": [r["goodput"] for r in reps], "rel_err": 0.05},
         "downtime_median_rel_err": median,

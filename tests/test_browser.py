@@ -158,7 +158,7 @@ RENDERED = """(() => {
 })()"""
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_compare_page_in_a_real_browser(app_server, browser, tmp_path):
     url, validation = app_server
     browser.goto(f"{url}/compare")

@@ -52,7 +52,11 @@ st.dataframe(data.comparison_rows(comparison), hide_index=True)
 
 if runs:
     st.subheader("timelines: the twin above the runtime's repetitions")
-    st.altair_chart(charts.aligned_timelines(runs), width="content")
-    st.altair_chart(charts.progress_chart({k: ev for k, (ev, _) in runs.items()}), width="content")
+    offsets = data.launch_offsets(comparison, list(runs))
+    if offsets:
+        st.caption("The runtime's launch (processes starting, the first group forming), which the twin does not "
+                   "model, is shifted before 0, as the validation excluded it from the wall time.")
+    st.altair_chart(charts.aligned_timelines(runs, offsets), width="content")
+    st.altair_chart(charts.progress_chart({k: ev for k, (ev, _) in runs.items()}, offsets), width="content")
 else:
     st.caption("(no twin/ or runtime/rep-K/ event logs beside comparison.json)")
