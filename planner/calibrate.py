@@ -308,10 +308,21 @@ def _first_commit_after(events: Sequence[Any], t: float) -> float | None:
     return next((e.t for e in events if e.kind == "step" and e.t > t), None)
 
 
+RUN_FAILURES: list[dict[str, str]] = []  # runs that failed and were tried again, for the record
+
+
 def run_runtime(scenario: S.Scenario, out_dir: Path, hangs: str | None = None) -> tuple[dict, list]:
+    """One real run; a run that fails is recorded and tried once more in a fresh directory
+    (a calibration measures primitives, one flaky run must not void it; the record says so)."""
     from keel.events import read_events
     from runtime.api import run_scenario
-    summary = run_scenario(scenario, out_dir, progress=False, hangs=hangs)
+    try:
+        summary = run_scenario(scenario, out_dir, progress=False, hangs=hangs)
+    except RunFailed as e:
+        RUN_FAILURES.append({"run": str(out_dir), "error": str(e)})
+        print(f"calibrate: runtime run {out_dir} failed ({e}); trying it once more", file=sys.stderr)
+        out_dir = Path(f"{out_dir}-retry")
+        summary = run_scenario(scenario, out_dir, progress=False, hangs=hangs)
     return summary, read_events(Path(out_dir) / "events.jsonl")
 
 
@@ -379,6 +390,32 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
     return out
 
 
+def pace_by_workers(base: S.Scenario, workdir: Path, steps: int, counts: int,
+                    progress: Callable[[str], None]) -> dict[int, float]:
+    """Fault-free step time of the local scenario's shape with its first 1..R regions (the
+    same slots and model): how the pace depends on the number of workers sharing this
+    machine's cores, which independent-node models do not see."""
+    from planner.scenarios import plain
+    out: dict[int, float] = {}
+    for keep in range(len(base.regions), max(0, len(base.regions) - counts), -1):
+        raw = plain(base)
+        names = {r["name"] for r in raw["regions"][:keep]}
+        raw["regions"] = raw["regions"][:keep]
+        raw["links"] = [l for l in raw.get("links", []) if l["a"] in names and l["b"] in names]
+        raw["faults"] = {}
+        raw["run"]["steps"] = steps
+        raw["run"]["seed"] = base.run.seed + 2000
+        raw["checkpoint"]["interval_steps"] = steps
+        try:
+            sc = S.from_dict(raw, base.source)
+        except S.ScenarioError:
+            continue
+        progress(f"fault-free pace run with {sc.training_nodes} workers")
+        summary, _ = run_runtime(sc, workdir / f"pace-{sc.training_nodes}")
+        out[sc.training_nodes] = float(summary["step_time_s"])
+    return out
+
+
 # ----------------------------------------------------------------------------- calibrate
 
 def pace_split(step_time_s: float, compute_s: float, latency_s: float, gbyte_s: float,
@@ -428,6 +465,7 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
         if progress:
             print(f"calibrate: {msg} [{time.perf_counter() - started:.0f} s]", file=sys.stderr, flush=True)
 
+    RUN_FAILURES.clear()
     tmp = tempfile.TemporaryDirectory(prefix="keel-calibrate-") if workdir is None else None
     work = Path(tmp.name if tmp else workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -441,6 +479,7 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
                     for i in range(len(group[0]["state_transfer_s"]))]
         say("checkpoint snapshot, write and read")
         ckpt = checkpoint_throughput(base, reps, work)
+        pace = pace_by_workers(base, work / "runs", run_steps, 2 if quick else 3, say)
         rec = recovery_primitives(base, run_reps, work / "runs", run_steps, statistics.median(transfer), say)
     finally:
         if tmp is not None:
@@ -454,7 +493,7 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
     slot_compute = statistics.median(compute)
     slots_per_worker = -(-base.slot_count // world)
     lat_s, bw_s, overhead = [], [], []
-    for st in rec["step_time_s"]:
+    for st in ([pace[world]] if world in pace else rec["step_time_s"]):
         scale, over = pace_split(st, slots_per_worker * slot_compute, statistics.median(lat),
                                  statistics.median(bw), base.workload.gradient_bytes)
         lat_s += [x * scale for x in lat]
@@ -463,7 +502,7 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
     primitives = {
         "slot_compute_s": entry(compute, "s", how="one slot's forward+backward, real model and data, one process at a time"),
         "step_overhead_s": entry(overhead, "s", how="runtime fault-free step time - slots x slot_compute - reduction",
-                                 step_time_s=rec["step_time_s"], slots_per_worker=slots_per_worker),
+                                 step_time_s=pace.get(world), slots_per_worker=slots_per_worker),
         "reduce_latency_s": entry(lat_s, "s", how=f"runtime.reduction over {world} gloo processes, affine fit, "
                                   "level scaled to the runs' in-situ reduction", world_size=world,
                                   micro_benchmark=entry(lat, "s"), median_s_per_gradient_bytes=per_size),
@@ -487,6 +526,8 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
         if rec[name]:
             primitives[name] = entry(rec[name], "s", how=how)
     missing = [p for p in PRIMITIVES if p not in primitives]
+    counts = sorted(pace)
+    slope = fit_affine([float(w) for w in counts], [pace[w] for w in counts]) if len(counts) >= 2 else None
     return {
         "format": "keel-calibration",
         "format_version": 1,
@@ -499,6 +540,12 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
                       "repetitions": reps, "runtime_runs": run_reps, "runtime_steps": run_steps},
         "duration_s": round(time.perf_counter() - started, 2),
         "missing": missing,
+        "runtime_failures": list(RUN_FAILURES),
+        # not a twin primitive (yet): on a machine whose cores the workers share, the pace
+        # grows with the worker count; a host-sharing model would take it from here
+        "pace": {"step_time_s_by_workers": {str(w): pace[w] for w in counts},
+                 "fit": {"intercept_s": slope[0], "per_worker_s": slope[1]} if slope else None,
+                 "cpus": machine().get("affinity_cpus")},
         "primitives": primitives,
     }
 
