@@ -299,6 +299,21 @@ def overrides_of(policy: dict[str, Any]) -> list[str]:
     return [f"{k}={_toml(v)}" for k, v in policy.items()]
 
 
+def edit_overrides(base: Scenario, values: dict[str, Any], extra: str = "") -> list[str]:
+    """The Topology page's edits as `--set` overrides: the widget values (dotted key ->
+    value) that differ from the scenario file, then the free-form `key=value` lines."""
+    plain = base.to_dict()
+
+    def in_file(key: str) -> Any:
+        node: Any = plain
+        for part in key.split("."):
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        return node
+    out = [f"{k}={_toml(v)}" for k, v in values.items() if v != in_file(k)]
+    out += [line.strip() for line in extra.splitlines() if line.strip() and not line.strip().startswith("#")]
+    return out
+
+
 def _toml(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"

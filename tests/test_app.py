@@ -12,7 +12,7 @@ from streamlit.testing.v1 import AppTest
 
 from keel import scenario as sc
 from test_app_runs import (REPO, checkpointed_run, handwritten_plan, handwritten_validation, need, plan_run,
-                           runs_root, twin_ok, twin_run, validation_run)
+                           runs_root, twin_ok, validation_run)
 
 __all__ = ["runs_root"]  # the session fixture, imported for pytest
 MAIN = REPO / "app" / "main.py"

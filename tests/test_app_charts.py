@@ -227,3 +227,13 @@ def test_scenario_edits_round_trip_through_dumps():
     s = sc.load(LOCAL, ["regions.0.nodes=3", "links.0.rtt_ms=12.5"])
     again = sc.loads(sc.dumps(s), "saved.toml")
     assert again.to_dict() == s.to_dict() and again.config_hash() == s.config_hash()
+
+
+def test_topology_edits_become_set_overrides():
+    base = sc.load(LOCAL)
+    values = {"regions.0.nodes": 2, "regions.1.nodes": 3, "links.0.rtt_ms": 0.1, "policy.kind": "checkpoint_restart",
+              "run.name": "local-8"}
+    assert data.edit_overrides(base, values, "# a comment\n  faults.data_shard_skew.per_day=2\n") == [
+        "regions.1.nodes=3", 'policy.kind="checkpoint_restart"', "faults.data_shard_skew.per_day=2"]
+    edited = sc.load(LOCAL, data.edit_overrides(base, values))
+    assert edited.regions[1].nodes == 3 and edited.policy.kind == "checkpoint_restart"

@@ -107,18 +107,7 @@ with edit_col:
 
 s["topology_draft"] = dict(values)
 s["topology_extra"] = extra
-base_plain = base.to_dict()
-
-
-def file_value(key: str):
-    node = base_plain
-    for part in key.split("."):
-        node = node[int(part)] if isinstance(node, list) else node[part]
-    return node
-
-
-overrides = [f"{k}={data._toml(v)}" for k, v in values.items() if v != file_value(k)]
-overrides += [line.strip() for line in extra.splitlines() if line.strip() and not line.strip().startswith("#")]
+overrides = data.edit_overrides(base, values, extra)
 try:
     edited = sc.loads(s["scenario_text"], s["scenario_path"], overrides)
     s["scenario_overrides"] = overrides
@@ -132,7 +121,7 @@ with graph_col:
         st.error(edit_error, icon=":material/error:")
         st.caption("The graph shows the last valid scenario.")
     st.altair_chart(charts.topology_chart(edited), width="content")
-    changes = sc.diff_configs(base_plain, edited.to_dict())
+    changes = sc.diff_configs(base.to_dict(), edited.to_dict())
     st.caption(f"config hash `{edited.config_hash()[:16]}`; "
                + (f"{len(changes)} change{'s' * (len(changes) != 1)} over the file" if changes else "as in the file"))
     if changes:
