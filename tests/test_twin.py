@@ -474,3 +474,19 @@ def test_step_sampling_keeps_the_metrics_exact():
     healthy = Simulation(s, TwinParams.from_scenario(s), 9).healthy_step_s
     assert result.summary["step_time_s"] == pytest.approx(healthy)
     assert math.isfinite(result.summary["goodput"])
+
+
+def test_a_run_that_cannot_finish_is_stopped_and_says_so():
+    # one node, restarts longer than its MTBF: the expected time is astronomical
+    raw = {"run": {"name": "doomed", "seed": 1, "steps": 5000},
+           "workload": {"step_compute_s": 1.0, "compute_jitter": 0.0, "gradient_bytes": 0, "slots": 1},
+           "checkpoint": {"interval_steps": 4000},
+           "regions": [{"name": "solo", "nodes": 1}],
+           "faults": {"hardware_fault": {"mtbf_node_hours": 0.1}},
+           "policy": {"kind": "checkpoint_restart", "restart_s": 600.0, "replace_node_s": 0.0}}
+    result = twin.simulate(scenario(raw))
+    s = result.summary
+    assert s["completed"] is False and result.events[-1].detail["completed"] is False
+    assert s["wall_s"] == pytest.approx(20 * 5000 * 1.0, rel=0.01)
+    assert s["steps"] < 5000 and s["goodput"] < 0.05
+    assert twin.simulate(scenario()).summary["completed"] is True

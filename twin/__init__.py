@@ -68,6 +68,7 @@ def build_summary(scenario: Scenario, events: list[Event], seed: int,
         "faults_scheduled": sum(1 for e in faults if e.detail.get("scheduled")),
         "faults_drawn": sum(1 for e in faults if not e.detail.get("scheduled")),
         "calibrated": list(calibrated),
+        "completed": bool(events[-1].detail.get("completed", True)),
     })
     return summary
 
@@ -143,6 +144,7 @@ def simulate_replicas(scenario: Scenario, replicas: int, seed: int | None = None
         "goodput": goodput, "goodput_ci95": ci,
         "wall_s": statistics.fmean(s["wall_s"] for s in summaries),
         "restarts": statistics.fmean(s["restarts"] for s in summaries),
+        "completed": sum(1 for s in summaries if s["completed"]),
         "faults": statistics.fmean(len(s["faults"]) for s in summaries),
         "step_time_s": first["step_time_s"], "steps": first["steps"],
         "summaries": summaries,

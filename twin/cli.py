@@ -10,6 +10,7 @@ from typing import Any
 from keel.errors import InputError
 from keel.events import write_events
 from keel.scenario import load
+from twin.model import WALL_LIMIT_FACTOR
 
 
 def simulate(args: argparse.Namespace) -> int:
@@ -59,7 +60,11 @@ def headline(summary: dict[str, Any]) -> str:
     restarted = sum(1 for f in faults if f["action"] == "checkpoint_restart")
     counts = f"{summary['faults_scheduled']} scheduled + {summary['faults_drawn']} drawn faults"
     fate = "absorbed" if not restarted else f"({len(faults) - restarted} absorbed, {restarted} restarted)"
-    return head + f"{counts} {fate}, {summary['restarts']} restarts, goodput {summary['goodput']:.3f}"
+    line = head + f"{counts} {fate}, {summary['restarts']} restarts, goodput {summary['goodput']:.3f}"
+    if not summary.get("completed", True):
+        line += (f" (did not finish: {summary['steps']} steps committed when the twin stopped it at"
+                 f" {summary['wall_s'] / 3600:.0f} h, {WALL_LIMIT_FACTOR:.0f}x its fault-free time)")
+    return line
 
 
 def fault_table(faults: list[dict[str, Any]]) -> str:

@@ -67,6 +67,10 @@ from twin.steps import NormalPool, StepShape
 from twin.topology import Topology
 
 MAX_SEGMENT_STEPS = 1000
+# A run that would take longer than this many times its fault-free time is stopped there
+# (faults faster than it can recover, e.g. a restart longer than the cluster's MTBF): its
+# `run_end` says completed = false, and the goodput counts only the steps it committed.
+WALL_LIMIT_FACTOR = 20.0
 HOUR = 3600.0
 DAY = 86400.0
 
@@ -194,6 +198,7 @@ class Simulation:
         self.schedule_at: dict[int, list[int]] = {}
         for i, entry in enumerate(scenario.faults.schedule):
             self.schedule_at.setdefault(entry.at_step, []).append(i)
+        self.wall_limit_s = WALL_LIMIT_FACTOR * scenario.run.steps * self.healthy_step_s
         self.trainer = self.env.process(self._trainer())
 
     # ------------------------------------------------------------------ running
@@ -519,9 +524,13 @@ class Simulation:
         s = self.scenario
         self.emit("run_start", step_time_s=self.healthy_step_s, nodes=len(self.order),
                   regions=len(s.regions), slots=self.slot_count, policy=s.policy.kind, seed=self.seed)
+        completed = True
         while True:
             while self.queue:
                 self._handle(self.queue.popleft())
+            if self.env.now > self.wall_limit_s:
+                completed = False
+                break
             if self.undetected:
                 yield from self._wait(None, "stalled")
             elif self.restart_for:
@@ -542,7 +551,8 @@ class Simulation:
                 yield from self._checkpoint()
             else:
                 yield from self._segment(self._steps_to_boundary())
-        self.emit("run_end", step_time_s=self.healthy_step_s, checkpoint_step=self.ckpt_step)
+        self.emit("run_end", step_time_s=self.healthy_step_s, checkpoint_step=self.ckpt_step,
+                  completed=completed)
 
     def _handle(self, cause: Cause) -> None:
         fid = cause.fault_id
