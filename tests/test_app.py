@@ -148,6 +148,12 @@ def test_simulate_two_policies_on_the_same_fault_trace(monkeypatch, runs_root):
     assert {"goodput", "downtime per fault", "progress"} <= set(titles(specs))
     assert {"A: absorb", "B: checkpoint_restart"} <= set(titles(specs))  # the aligned timelines
     assert len(at.dataframe) == 2
+    at.text_input(key="simulate_save_dir").input(str(runs_root / "ab")).run()
+    at.button(key="simulate_save").click().run()
+    no_exception(at)
+    for sub, summary in zip("ab", (a, b)):
+        assert json.loads((runs_root / "ab" / sub / "summary.json").read_text())["goodput"] == summary["goodput"]
+        assert (runs_root / "ab" / sub / "events.jsonl").stat().st_size > 0
 
 
 def test_simulate_opens_a_run_directory(monkeypatch, runs_root):
