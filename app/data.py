@@ -196,6 +196,11 @@ def fault_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: f.get(k) for k in FAULT_COLUMNS} for f in summary.get("faults", [])]
 
 
+def fault_trace(summary: dict[str, Any]) -> list[tuple[str, str, int]]:
+    """(class, target, at_step) of each fault: what two policies on one seed should share."""
+    return [(f.get("class"), f.get("target"), f.get("at_step")) for f in summary.get("faults", [])]
+
+
 def headline(summary: dict[str, Any]) -> dict[str, Any]:
     return {"goodput": summary.get("goodput"), "wall_s": summary.get("wall_s"),
             "steps": summary.get("steps"), "restarts": summary.get("restarts"),

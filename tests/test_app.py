@@ -76,6 +76,7 @@ def test_runs_page_lists_runs(monkeypatch, runs_root):
     listed = at.dataframe[0].value
     assert "handwritten-validation" in set(listed["directory"])
     assert {"validation", "run"} <= set(listed["kind"])
+    assert any(m.label == "verdict" for m in at.metric)
 
 
 # ----------------------------------------------------------------------------- Topology
@@ -143,6 +144,7 @@ def test_simulate_two_policies_on_the_same_fault_trace(monkeypatch, runs_root):
     a, b = (r["summary"] for r in results.values())
     trace = [[(f["class"], f["target"], f["at_step"]) for f in s["faults"]] for s in (a, b)]
     assert trace[0] == trace[1] and len(trace[0]) == 4
+    assert any("Both policies met the same 4 faults" in c.value for c in at.caption)
     assert a["restarts"] == 0 and b["restarts"] >= 1
     specs = charts(at)
     assert {"goodput", "downtime per fault", "progress"} <= set(titles(specs))

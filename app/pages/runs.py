@@ -59,6 +59,22 @@ if latest is not None:
     cols[2].metric("faults", h["faults"])
     cols[3].metric("restarts", h["restarts"])
     st.altair_chart(charts.timeline_chart(events, summary, title=latest.label), width="content")
+latest_validation = next((r for r in runs if r.kind == "validation"), None)
+if latest_validation is not None:
+    try:
+        comparison = data.cached_comparison(latest_validation.path)
+    except InputError as e:
+        ui.show_error(e)
+    else:
+        st.subheader(f"Latest validation: {latest_validation.label}")
+        verdict = comparison.get("pass", {})
+        cols = st.columns(4)
+        median = comparison.get("downtime_median_rel_err")
+        cols[0].metric("downtime: median rel. error", "n/a" if median is None else f"{median:.1%}")
+        wall = (comparison.get("wall_s") or {}).get("rel_err")
+        cols[1].metric("wall time: rel. error", "n/a" if wall is None else f"{wall:.1%}")
+        cols[2].metric("faults compared", len(comparison.get("faults", [])))
+        cols[3].metric("verdict", {True: "pass", False: "fail", None: "n/a"}[verdict.get("all")])
 kinds = {r.kind for r in runs}
 st.caption("Open " + ", ".join(p for k, p in (("run", "**Simulate** for runs"), ("validation", "**Compare** for validations"),
                                                 ("plan", "**Plan** for plans")) if k in kinds)

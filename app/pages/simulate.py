@@ -125,6 +125,13 @@ if not results:
 first = next(iter(results.values()))
 st.caption(f"{first.get('scenario')} on seed {first.get('seed')}: "
            + ", ".join(f"{k} in {v.get('elapsed_s', 0):.2f} s" for k, v in results.items()))
+traces = [data.fault_trace(r["summary"]) for r in results.values()]
+if len(traces) > 1 and all(t == traces[0] for t in traces):
+    st.caption(f"Both policies met the same {len(traces[0])} fault{'s' * (len(traces[0]) != 1)}: "
+               + ", ".join(f"{c} on {t} at step {n}" for c, t, n in traces[0][:6]) + (" ..." if len(traces[0]) > 6 else ""))
+elif len(traces) > 1:
+    st.warning("The policies met different faults on this seed (the stochastic faults fall in wall-clock time, "
+               "which the policies change); the scheduled ones are the same.")
 show(results)
 
 with st.expander("save these runs"):
