@@ -99,12 +99,12 @@ class Browser:
     def close(self) -> None:
         try:
             self._conn.__exit__(None, None, None)
-        finally:
-            self.proc.terminate()
+        finally:  # Chromium's own helper processes are in its process group
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture
