@@ -19,6 +19,7 @@ import datetime
 import math
 import os
 import queue
+import random
 import signal
 import socket
 import sys
@@ -93,8 +94,9 @@ class Worker:
         self.dist = dist
         self.store_host, self.store_port = store_host, int(welcome["store_port"])
         self._stores: dict[int, Any] = {}
-        self._store_thread: threading.Thread | None = None
-        self._spare_store = self._new_store()  # the first generation's, opened while joining
+        self._pool_lock = threading.Lock()
+        self._pool_rng = random.Random(os.getpid())
+        self._store_pool = [self._new_store() for _ in range(3)]
         self.gloo_host = welcome.get("gloo_host") or ("127.0.0.1" if store_host in ("127.0.0.1", "localhost") else "")
         self.pgs: list[Any] = []  # old groups stay referenced: destroying one mid-collective blocks
         self.gate = CommGate(hash((sc.run.seed, self.node)) & 0xFFFFFFFF)
@@ -232,20 +234,23 @@ class Worker:
     def _store_for(self, g: int):
         """Each generation talks to the store over a connection of its own: a lazy connect of
         an aborted group may still sit in a store wait for a dead peer's address, and a TCPStore
-        client serialises its operations. The next generation's connection is opened in the
-        background ahead of time (46 clients connecting at once took 5 s here)."""
+        client serialises its operations. Connections come from a small pool opened at start;
+        it is refilled in the background at a random moment a few seconds later, so 46 workers
+        never reconnect at once during a recovery (such a burst stalled the store ~5 s here)."""
         if g in self._stores:
             return self._stores[g]
-        if self._store_thread is not None:
-            self._store_thread.join()
-        store = self._spare_store or self._new_store()
-        self._spare_store = None
+        with self._pool_lock:
+            store = self._store_pool.pop() if self._store_pool else None
+        if store is None:
+            store = self._new_store()
         self._stores = {g: store}
 
-        def prepare() -> None:
-            self._spare_store = self._new_store()
-        self._store_thread = threading.Thread(target=prepare, daemon=True, name="store-connect")
-        self._store_thread.start()
+        def refill() -> None:
+            time.sleep(self._pool_rng.uniform(2.0, 10.0))
+            st = self._new_store()
+            with self._pool_lock:
+                self._store_pool.append(st)
+        threading.Thread(target=refill, daemon=True, name="store-refill").start()
         return store
 
     def _new_store(self):
