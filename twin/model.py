@@ -156,19 +156,29 @@ class Simulation:
         self._shape_cache: tuple[int, StepShape] | None = None
         self._expected_cache: dict[tuple, float] = {}
         self.layout_version = 0
+        # kept up to date by _update, so a fault costs O(nodes it touches), not O(cluster)
+        self.groups: Counter[float] = Counter()          # compute s -> up nodes holding slots
+        self.holders_per_region: Counter[str] = Counter()
+        self.live_per_region: Counter[str] = Counter()   # up nodes with state (train or parked)
+        self.held_slots = 0                              # slots on up nodes
+        self.spares: set[int] = set()                    # indices of up idle spares
+        self.orphans: set[int] = set()                   # indices of dead nodes still holding slots
         self.nodes: dict[str, Node] = {}
         for r in scenario.regions:
             for i in range(r.nodes):
                 name = f"{r.name}/{i}"
-                self.nodes[name] = Node(name, r.name, r.speed, r.gpus_per_node, len(self.nodes))
+                self.nodes[name] = Node(name, r.name, r.speed, r.gpus_per_node, len(self.nodes), role="down")
         self.order = list(self.nodes.values())
-        for node in self.order[scenario.training_nodes:]:
-            node.role = "spare"
+        for node in self.order:
+            self._update(node, role="train" if node.index < scenario.training_nodes else "spare")
         self.slot_count = scenario.slot_count
         self._place(self.slot_count, [n for n in self.order if n.role == "train"])
         self.healthy_max_load = max(n.slots / n.speed for n in self.order)
         self.state_bytes = scenario.checkpoint.weights_bytes + scenario.checkpoint.optimizer_bytes
-        self.reference_reduction = self.topology.reduction(self._active_per_region())
+        reference: dict[str, int] = {}  # the membership TwinParams' reduction figures refer to
+        for n in self.order[: scenario.training_nodes]:
+            reference[n.region] = reference.get(n.region, 0) + 1
+        self.reference_reduction = self.topology.reduction(reference)
         self.healthy_step_s = self._expected_s(self._shape(with_spikes=False))
 
         self.committed = 0
@@ -259,13 +269,47 @@ class Simulation:
         return [n for n in self.order if n.up and n.role == "train"]
 
     def _active_per_region(self, nodes: list[Node] | None = None) -> dict[str, int]:
+        """Nodes holding slots per region (of `nodes`, or of the cluster now)."""
+        if nodes is None:
+            return dict(self.holders_per_region)
         out: dict[str, int] = {}
-        for n in nodes if nodes is not None else self._active():
+        for n in nodes:
             out[n.region] = out.get(n.region, 0) + 1
         return out
 
-    def _changed(self) -> None:
+    def _contribute(self, n: Node, sign: int) -> None:
+        if not n.up:
+            if n.slots > 0:
+                (self.orphans.add if sign > 0 else self.orphans.discard)(n.index)
+            return
+        if n.role == "train" and n.slots > 0:
+            _count(self.groups, n.slots * self.params.slot_compute_s / n.speed, sign)
+            _count(self.holders_per_region, n.region, sign)
+            self.held_slots += sign * n.slots
+        if n.role in ("train", "parked"):
+            _count(self.live_per_region, n.region, sign)
+        if n.role == "spare":
+            (self.spares.add if sign > 0 else self.spares.discard)(n.index)
+
+    def _update(self, n: Node, *, up: bool | None = None, role: str | None = None,
+                slots: int | None = None) -> None:
+        """The one way to change a node: keeps the aggregates the step model reads current."""
+        self._contribute(n, -1)
+        if up is not None:
+            n.up = up
+        if role is not None:
+            n.role = role
+        if slots is not None:
+            n.slots = slots
+        self._contribute(n, +1)
         self.layout_version += 1
+
+    def _spare_nodes(self, count: int | None = None) -> list[Node]:
+        """Up idle spares, in scenario order."""
+        return [self.order[i] for i in sorted(self.spares)[:count]]
+
+    def _holders(self) -> int:
+        return sum(self.holders_per_region.values())
 
     def _place(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
         """Give `count` slots to `candidates`, each to the node that would finish soonest."""
@@ -275,11 +319,12 @@ class Simulation:
             heapq.heapify(heap)
             for _ in range(count):
                 _, index, best = heap[0]
-                best.slots += 1
                 got[best.name] += 1
-                heapq.heapreplace(heap, ((best.slots + 1) / best.speed, index, best))
-        self._changed()
-        return sorted(got.items(), key=lambda kv: self.nodes[kv[0]].index)
+                heapq.heapreplace(heap, ((best.slots + got[best.name] + 1) / best.speed, index, best))
+        placed = sorted(got.items(), key=lambda kv: self.nodes[kv[0]].index)
+        for name, k in placed:
+            self._update(self.nodes[name], slots=self.nodes[name].slots + k)
+        return placed
 
     def _spread_over_regions(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
         """Largest-remainder apportionment of `count` slots over the candidates' regions by
@@ -302,16 +347,26 @@ class Simulation:
 
     def _shape(self, with_spikes: bool = True, nodes: list[Node] | None = None,
                slots: dict[str, int] | None = None) -> StepShape:
-        nodes = nodes if nodes is not None else self._active()
+        """The step model for the cluster now, or for a trial layout (`nodes` with `slots`)."""
         p = self.params
-        groups: Counter[float] = Counter()
-        for n in nodes:
-            k = slots[n.name] if slots is not None else n.slots
-            if k > 0:
-                groups[k * p.slot_compute_s / n.speed] += 1
-        members = [n for n in nodes if (slots[n.name] if slots is not None else n.slots) > 0]
-        member_names = {n.name for n in members}
-        per_region = self._active_per_region(members)
+        if nodes is None:
+            groups = self.groups
+            per_region = dict(self.holders_per_region)
+
+            def is_member(name: str) -> bool:
+                n = self.nodes[name]
+                return n.up and n.role == "train" and n.slots > 0
+        else:
+            assert slots is not None
+            groups = Counter()
+            members = [n for n in nodes if slots[n.name] > 0]
+            for n in members:
+                groups[slots[n.name] * p.slot_compute_s / n.speed] += 1
+            member_names = {n.name for n in members}
+            per_region = self._active_per_region(members)
+
+            def is_member(name: str) -> bool:
+                return name in member_names
         red = self.topology.reduction(per_region)
         ref = self.reference_reduction
         latency = red.latency_s * (p.reduce_latency_s / ref.latency_s if ref.latency_s > 0 else 1.0)
@@ -319,7 +374,7 @@ class Simulation:
         spike = 0.0
         if with_spikes:
             for sp in self.spikes.values():
-                if sp.active and not sp.moves and ("/" not in sp.target or sp.target in member_names):
+                if sp.active and not sp.moves and ("/" not in sp.target or is_member(sp.target)):
                     spike = max(spike, self._spike_delay(sp, per_region))
         fixed = latency + self.scenario.workload.gradient_bytes * per_byte + p.step_overhead_s + spike
         return StepShape(tuple(sorted((n, base) for base, n in groups.items())), p.compute_jitter,
@@ -340,7 +395,6 @@ class Simulation:
 
     def _current_shape(self) -> StepShape:
         if self._shape_cache is None or self._shape_cache[0] != self.layout_version:
-            assert sum(n.slots for n in self._active()) == self.slot_count, "slots lost"
             self._shape_cache = (self.layout_version, self._shape())
         return self._shape_cache[1]
 
@@ -348,10 +402,13 @@ class Simulation:
         """Slowest state copy of the slots' share of the state to each receiver."""
         if not receivers:
             return 0.0
-        live = [n.name for n in self.order if n.up and n.role in ("train", "parked")]
         scale = self.params.state_transfer_gbyte_s / self.topology.reference_transfer_gbyte_s()
         per_slot = self.state_bytes / self.slot_count
-        return max(k * per_slot / (self.topology.transfer_gbyte_s(name, live) * scale * 1e9)
+
+        def peer_regions(receiver: Node) -> set[str]:
+            own = 1 if receiver.up and receiver.role in ("train", "parked") else 0
+            return {r for r, c in self.live_per_region.items() if c - (own if r == receiver.region else 0) > 0}
+        return max(k * per_slot / (self.topology.transfer_gbyte_s(name, peer_regions(self.nodes[name])) * scale * 1e9)
                    for name, k in receivers)
 
     def _detect_delay(self, mean: float) -> float:
@@ -416,11 +473,8 @@ class Simulation:
         repair_h = (self.scenario.faults.hardware_fault.repair_hours if fault == "hardware_fault"
                     else self.scenario.faults.partial_cluster_loss.repair_hours)
         for n in nodes:
-            n.up = False
-            if n.role != "train":
-                n.role = "down"
+            self._update(n, up=False, role=None if n.role == "train" else "down")
             self.env.process(self._repair(n, n.incarnation, repair_h * HOUR))
-        self._changed()
         if holding:
             mean = self.params.detect_kill_s if fault == "hardware_fault" else self.params.detect_hang_s
             self.env.process(self._detector(fid, self._detect_delay(mean)))
@@ -430,7 +484,7 @@ class Simulation:
         fid = self._new_fault(FaultInfo("network_jitter", target, self._action("network_jitter")))
         self.emit_episode("fault", fid, scheduled=scheduled, spike_ms=spike_s * 1e3, duration_s=duration_s)
         self.spikes[fid] = Spike(target, spike_s)
-        self._changed()
+        self.layout_version += 1  # the step model changed
         self.notify(Cause("spike_start", fid, interrupts_run=True))
         self.env.process(self._spike_end(fid, duration_s))
 
@@ -507,16 +561,13 @@ class Simulation:
         yield self.env.timeout(after_s)
         if node.incarnation != incarnation or node.up:
             return
-        node.up = True
-        node.role = "spare"
-        node.slots = 0
-        self._changed()
+        self._update(node, up=True, role="spare", slots=0)
         self.notify(Cause("rejoin", interrupts_run=self.absorb and self._overloaded()))
 
     def _spike_end(self, fid: int, after_s: float) -> Generator:
         yield self.env.timeout(after_s)
         self.spikes[fid].active = False
-        self._changed()
+        self.layout_version += 1
         self.notify(Cause("spike_end", fid, interrupts_run=True))
 
     # ------------------------------------------------------------------ the trainer
@@ -577,20 +628,19 @@ class Simulation:
     def _detected(self, fid: int) -> None:
         info = self.info[fid]
         dead = [self.nodes[n] for n in info.nodes if not self.nodes[n].up and self.nodes[n].slots > 0]
-        if not self.absorb or not self._active():
+        if not self.absorb or self.held_slots == 0:  # no live copy of the state: restart
             self.restart_for.append(fid)
             return
         self.emit_episode("recover_start", fid)
         lost = sum(n.slots for n in dead)
         for n in dead:
-            n.slots = 0
-            n.role = "down"
+            self._update(n, slots=0, role="down")
         receivers: list[tuple[str, int]] = []
         takeover = 0.0
         if info.fault == "hardware_fault":
-            spares = [x for x in self.order if x.up and x.role == "spare"]
+            spares = self._spare_nodes(1)
             if spares:
-                spares[0].role = "train"
+                self._update(spares[0], role="train")
                 receivers = self._place(lost, [spares[0]])
                 takeover = self.params.spare_takeover_s
             else:
@@ -599,8 +649,7 @@ class Simulation:
             survivors = self._active()
             other = [n for n in survivors if n.region != info.target]
             receivers += self._spread_over_regions(lost, other or survivors)
-        self._changed()
-        assert sum(n.slots for n in self.order) == self.slot_count, "slots lost in re-slotting"
+        assert self.held_slots + sum(self.order[i].slots for i in self.orphans) == self.slot_count, "slots lost"
         self.awaiting_recovery.append(fid)
         self.recovery_s = max(self.recovery_s, self.params.reform_s + takeover + self._transfer_s(receivers))
         self.emit_episode("reslot", fid, slots=lost, to=[f"{name}:{k}" for name, k in receivers])
@@ -624,20 +673,15 @@ class Simulation:
         if self.writer is not None and self.writer.is_alive:
             self.writer.interrupt("job stopped")
         replaced = False
-        for n in self.order:
-            if n.slots > 0 and not n.up:
-                spares = [x for x in self.order if x.up and x.role == "spare"]
-                if spares:
-                    spares[0].role = "train"
-                    spares[0].slots = n.slots
-                    n.slots = 0
-                    n.role = "down"
-                else:  # a new machine takes the dead one's place (its repair no longer matters)
-                    n.incarnation += 1
-                    n.up = True
-                    n.role = "train"
-                    replaced = True
-        self._changed()
+        for n in [self.order[i] for i in sorted(self.orphans)]:
+            spares = self._spare_nodes(1)
+            if spares:
+                self._update(spares[0], role="train", slots=n.slots)
+                self._update(n, slots=0, role="down")
+            else:  # a new machine takes the dead one's place (its repair no longer matters)
+                n.incarnation += 1
+                self._update(n, up=True, role="train")
+                replaced = True
         load_s = self._share_s(self.params.ckpt_read_gbyte_s) if self.ckpt_step > 0 else 0.0
         duration = self.params.restart_s + (self.params.replace_node_s if replaced else 0.0) + load_s
         done = yield from self._wait(duration, "paused")
@@ -677,13 +721,13 @@ class Simulation:
             movers = [self.nodes[sp.target]] if self.nodes[sp.target].up and self.nodes[sp.target].slots > 0 else []
         else:
             movers = [n for n in self._active() if n.region == sp.target and n.slots > 0]
-        active = self._active()
-        if not movers or len(movers) == len(active):
+        if not movers or len(movers) == self._holders():
             return
         before = self._expected_s(self._current_shape())
-        spares = [x for x in self.order if x.up and x.role == "spare"][:len(movers)]
+        spares = self._spare_nodes(len(movers))
         plan = self._plan_moves(movers, spares)
-        trial_nodes = [n for n in active if n not in movers] + spares
+        moving = {n.name for n in movers}
+        trial_nodes = [n for n in self._active() if n.name not in moving] + spares
         trial_slots = {n.name: n.slots for n in trial_nodes}
         for _, to, k in plan:
             trial_slots[to] += k
@@ -691,16 +735,12 @@ class Simulation:
             return  # moving would not help: endure the spike
         self.emit_episode("recover_start", fid)
         for n in movers:
-            n.slots = 0
-            n.role = "parked"
-        for to, node in ((to, self.nodes[to]) for _, to, _ in plan):
-            if node.role == "spare":
-                node.role = "train"
+            self._update(n, slots=0, role="parked")
         for _, to, k in plan:
-            self.nodes[to].slots += k
+            node = self.nodes[to]
+            self._update(node, role="train", slots=node.slots + k)
         sp.moves = plan
         sp.spare_receivers = {x.name for x in spares}
-        self._changed()
         receivers = _merge([(to, k) for _, to, k in plan])
         self.emit_episode("reslot", fid, slots=sum(k for _, _, k in plan), to=[f"{n}:{k}" for n, k in receivers])
         takeover = self.params.spare_takeover_s if spares else 0.0
@@ -711,7 +751,8 @@ class Simulation:
         others (the fastest finish for a node, by capacity across regions for a region)."""
         if len(spares) == len(movers):
             return [(m.name, s.name, m.slots) for m, s in zip(movers, spares)]
-        others = [n for n in self._active() if n not in movers]
+        moving = {n.name for n in movers}
+        others = [n for n in self._active() if n.name not in moving]
         saved = {n.name: n.slots for n in others}
         plan: list[tuple[str, str, int]] = []
         for m in movers:
@@ -722,8 +763,8 @@ class Simulation:
                 self._spread_over_regions(m.slots, others)
             plan += [(m.name, n.name, n.slots - before[n.name]) for n in others if n.slots > before[n.name]]
         for n in others:
-            n.slots = saved[n.name]
-        self._changed()
+            if n.slots != saved[n.name]:
+                self._update(n, slots=saved[n.name])
         return plan
 
     def _end_spike(self, fid: int) -> Generator:
@@ -737,18 +778,18 @@ class Simulation:
             if not home.up or home.role != "parked":
                 continue
             take = min(k, holder.slots) if holder.up else 0
-            holder.slots -= take
-            if holder.slots == 0 and holder.up and to in sp.spare_receivers:
-                holder.role = "spare"
-            home.slots += take
+            left = holder.slots - take
+            self._update(holder, slots=left,
+                         role="spare" if left == 0 and holder.up and to in sp.spare_receivers else None)
+            self._update(home, slots=home.slots + take)
             back.append((frm, take))
-        for n in self.order:  # a parked node whose slots went elsewhere meanwhile
-            if n.role == "parked" and n.up:
-                n.role = "train"
-        short = self.slot_count - sum(n.slots for n in self._active())
+        for frm in dict.fromkeys(frm for frm, _, _ in sp.moves):  # home again, even if robbed meanwhile
+            home = self.nodes[frm]
+            if home.up and home.role == "parked":
+                self._update(home, role="train")
+        short = self.slot_count - self.held_slots - sum(self.order[i].slots for i in self.orphans)
         if short > 0:
             back += self._place(short, self._active())
-        self._changed()
         back = [(n, k) for n, k in _merge(back) if k > 0]
         self.emit_episode("reslot", fid, back=True, to=[f"{n}:{k}" for n, k in back])
         yield from self._wait(self.params.reform_s + self._transfer_s(back), "paused")
@@ -756,7 +797,8 @@ class Simulation:
 
     def _overloaded(self) -> bool:
         """Some node carries more than the healthy layout's heaviest load."""
-        return any(n.slots / n.speed > self.healthy_max_load + 1e-12 for n in self._active())
+        heaviest = max(self.groups, default=0.0) / self.params.slot_compute_s
+        return heaviest > self.healthy_max_load + 1e-12
 
     def _rebalance(self) -> Generator:
         """A repaired node rejoined as a spare: under absorb it relieves overloaded nodes."""
@@ -764,21 +806,17 @@ class Simulation:
         if not self.absorb:
             return
         moved: list[tuple[str, int]] = []
-        while True:
-            spares = [x for x in self.order if x.up and x.role == "spare"]
-            active = self._active()
-            worst = max(active, key=lambda n: (n.slots / n.speed, -n.index))
-            if not spares or worst.slots / worst.speed <= self.healthy_max_load + 1e-12 or worst.slots < 2:
+        while self.spares and self._overloaded():
+            worst = max(self._active(), key=lambda n: (n.slots / n.speed, -n.index))
+            if worst.slots < 2:
                 break
-            spare = spares[0]
-            spare.role = "train"
+            spare = self._spare_nodes(1)[0]
             give = worst.slots // 2
-            worst.slots -= give
-            spare.slots += give
+            self._update(worst, slots=worst.slots - give)
+            self._update(spare, role="train", slots=give)
             moved.append((spare.name, give))
         if not moved:
             return
-        self._changed()
         self.emit("reslot", None, moved[0][0], None, reason="rejoin", to=[f"{n}:{k}" for n, k in moved])
         yield from self._wait(self.params.reform_s + self.params.spare_takeover_s + self._transfer_s(moved), "paused")
 
@@ -827,6 +865,7 @@ class Simulation:
         return max(1, min(bounds) - c)
 
     def _segment(self, count: int) -> Generator:
+        assert self.held_slots == self.slot_count and not self.orphans, "slots lost"
         durations = self._current_shape().draw(self.step_noise, count)
         if self.carry_s is not None:
             durations[0] = max(self.carry_s, 0.0)
@@ -868,6 +907,12 @@ class Simulation:
                 self.emit_episode("recover_end", fid)
             else:
                 self.restart_for.append(fid)
+
+
+def _count(counter: Counter, key: Any, sign: int) -> None:
+    counter[key] += sign
+    if counter[key] == 0:
+        del counter[key]
 
 
 def _merge(pairs: list[tuple[str, int]]) -> list[tuple[str, int]]:

@@ -150,11 +150,12 @@ class Topology:
         return spike_s * inter_phases
 
     # -- moving state between nodes
-    def transfer_gbyte_s(self, receiver: str, live_nodes: Iterable[str]) -> float:
-        """Bandwidth (GB/s) of a state copy to `receiver` from the nearest live peer: inside the
-        region at the node bandwidth, else over the routed path's bottleneck."""
+    def transfer_gbyte_s(self, receiver: str, peer_regions: Iterable[str]) -> float:
+        """Bandwidth (GB/s) of a state copy to `receiver` from the nearest live peer (in one of
+        `peer_regions`): inside the region at the node bandwidth, else over the routed path's
+        bottleneck."""
         region = receiver.split("/", 1)[0]
-        peers = {n.split("/", 1)[0] for n in live_nodes if n != receiver}
+        peers = set(peer_regions)
         own = self._regions[region].intra_gbit_s * GBIT
         if region in peers or not peers:
             return own / 1e9
