@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("app", help="start the dashboard")
     sp.add_argument("--port", type=int, default=8501)
     sp.add_argument("--address", default="127.0.0.1")
+    sp.add_argument("--runs", default=None, metavar="DIR", help="runs directory (default: $KEEL_RUNS or ./runs)")
     sp.set_defaults(func=_handler("app.launch:cli"))
 
     sp = sub.add_parser("scenario", help="print a scenario resolved (defaults and --set applied), or the schema")
