@@ -85,7 +85,8 @@ def twin_prediction(scenario: S.Scenario, calibration: Mapping[str, Any], replic
     seeds = seeds_for(scenario.run.seed, replicas)
     with LocalRunner(processes) as runner:
         reps = runner.map([(replay, s, dict(calibration)) for s in seeds])
-    return {"reference": result.summary, "replicas": reps, "seeds": seeds}
+    return {"reference": result.summary, "replicas": reps, "seeds": seeds,
+            "detect_s": detect_times(_as_events(result.events))}
 
 
 def _as_events(events: Sequence[Any]) -> list[Any]:
@@ -94,6 +95,21 @@ def _as_events(events: Sequence[Any]) -> list[Any]:
 
 
 # ----------------------------------------------------------------------------- the runtime side
+
+def detect_times(events: Sequence[Any]) -> dict[int, float]:
+    """Per fault id: its first `detect` after its `fault` (seconds); absent where none came."""
+    fault_t: dict[int, float] = {}
+    out: dict[int, float] = {}
+    for e in events:
+        fid = e.detail.get("fault_id")
+        if fid is None:
+            continue
+        if e.kind == "fault":
+            fault_t[fid] = e.t
+        elif e.kind == "detect" and fid in fault_t and fid not in out:
+            out[fid] = e.t - fault_t[fid]
+    return out
+
 
 def training_window(summary: Mapping[str, Any], events: Sequence[Any]) -> dict[str, Any]:
     """The runtime's wall time without the launch: its `run_start` comes before the worker
@@ -119,7 +135,8 @@ def runtime_observation(scenario: S.Scenario, repetitions: int, out_dir: Path,
         if progress:
             print(f"validate: runtime repetition {k + 1}/{repetitions} -> {rep_dir}", file=sys.stderr)
         summary = run_scenario(scenario, rep_dir, progress=progress)
-        observed.append({**summary, **training_window(summary, read_events(rep_dir / "events.jsonl"))})
+        events = read_events(rep_dir / "events.jsonl")
+        observed.append({**summary, **training_window(summary, events), "detect_s": detect_times(events)})
     return observed
 
 
@@ -150,9 +167,12 @@ def compare(scenario: S.Scenario, predicted: Mapping[str, Any], observed: Sequen
             raise RunFailed(f"fault {f.get('fault_id')} ({f.get('class')} on {f.get('target')}) was predicted "
                             f"but {'not observed' if not obs else 'missing in the replicas'}")
         p = {"downtime_s": statistics.fmean(pred_d), "cost_s": statistics.fmean(pred_c),
-             "downtime_ci95": interval(pred_d), "cost_ci95": interval(pred_c)}
+             "downtime_ci95": interval(pred_d), "cost_ci95": interval(pred_c),
+             "detect_s": predicted.get("detect_s", {}).get(f.get("fault_id"))}
         o = {"downtime_s": statistics.median(obs_d), "cost_s": statistics.median(obs_c),
              "downtime_s_reps": obs_d, "cost_s_reps": obs_c,
+             "detect_s_reps": [od.get("detect_s", {}).get(m.get("fault_id")) for od, m in
+                               ((od, _match(od.get("faults", []), f)) for od in observed) if m],
              "actions": sorted({m.get("action") or "" for m in obs})}
         faults.append({"fault_id": f.get("fault_id"), "class": f.get("class"), "target": f.get("target"),
                        "action": f.get("action"), "at_step": f.get("at_step"),
@@ -252,17 +272,27 @@ def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | No
 
 # ----------------------------------------------------------------------------- printing
 
+def _median(xs: Sequence[float | None] | None) -> float | None:
+    xs = [x for x in (xs or []) if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _secs(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}s"
+
+
 def table(c: Mapping[str, Any]) -> str:
     tol = c["tolerances"]
     lines = [f"validate {c['scenario']}: {c['repetitions']} runtime repetitions vs {c['twin_replicas']} twin "
              f"replicas; calibration {c['calibration']} ({c['calibration_source']})",
              f"{'fault':<5} {'class':<21} {'target':<14} {'action':<24} {'downtime pred':>13} {'obs':>7} "
-             f"{'err':>6}   {'cost pred':>9} {'obs':>7} {'err':>6}"]
+             f"{'err':>6}   {'cost pred':>9} {'obs':>7} {'err':>6}   {'detect pred':>11} {'obs':>7}"]
     for f in c["faults"]:
         p, o = f["predicted"], f["observed"]
         lines.append(f"{f['fault_id']!s:<5} {f['class']:<21} {f['target']!s:<14} {f['action']!s:<24} "
                      f"{p['downtime_s']:>12.3f}s {o['downtime_s']:>6.3f}s {f['downtime_rel_err']:>6.1%}   "
-                     f"{p['cost_s']:>8.3f}s {o['cost_s']:>6.3f}s {f['cost_rel_err']:>6.1%}")
+                     f"{p['cost_s']:>8.3f}s {o['cost_s']:>6.3f}s {f['cost_rel_err']:>6.1%}   "
+                     f"{_secs(p.get('detect_s')):>11} {_secs(_median(o.get('detect_s_reps'))):>7}")
     w, g = c["wall_s"], c["goodput"]
     ok = lambda b: "pass" if b else "FAIL"  # noqa: E731
     lines += [
