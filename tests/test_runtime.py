@@ -69,7 +69,7 @@ def test_hardware_fault_hot_spare_takes_over(tmp_path, baseline):
     assert_absorbed(summary, events, "replicate_resume")
     assert_same_trajectory(summary, baseline)
     survivors_kept_pids(summary, lost={"a/1"})
-    reslot = next(e for e in events if e.kind == "reslot")
+    reslot = next(e for e in events if e.kind == "reslot" and e.fault_id == 0)
     assert reslot.detail["moves"] == [[1, "a/1", "c/0"]]  # the spare took the dead worker's slot
     detect = next(e for e in events if e.kind == "detect")
     assert detect.detail["how"].startswith(("connection closed", "process exited"))
@@ -84,13 +84,13 @@ def test_partial_cluster_loss_of_a_whole_region(tmp_path, baseline):
     assert_absorbed(summary, events, "shard_reweight_failover")
     assert_same_trajectory(summary, baseline)
     survivors_kept_pids(summary, lost={"b/0", "b/1"})
-    reslot = next(e for e in events if e.kind == "reslot")
+    reslot = next(e for e in events if e.kind == "reslot" and e.fault_id == 0)
     moved_to = sorted(dst for _, _, dst in reslot.detail["moves"])
     # the lost slots 2, 3 spread over the surviving regions in proportion to capacity:
     # a has 2 live members, c (the spare) 1: a gets 1 or 2, never all to one node
     assert set(reslot.detail["slot_map"]) <= {"a/0", "a/1", "c/0"}
     assert len(moved_to) == 2 and len(set(moved_to)) == 2
-    assert sum(e.kind == "detect" for e in events) == 2
+    assert sum(e.kind == "detect" and e.fault_id == 0 for e in events) == 2
 
 
 def test_network_jitter_backpressure_reslot_and_back(tmp_path, baseline_long):
@@ -146,7 +146,7 @@ def test_second_fault_during_recovery(tmp_path, baseline):
     assert_absorbed(summary, events, "replicate_resume", n_faults=2)
     assert_same_trajectory(summary, baseline)
     survivors_kept_pids(summary, lost={"a/1", "b/0"})
-    first_reslot = next(i for i, e in enumerate(events) if e.kind == "reslot")
+    first_reslot = next(i for i, e in enumerate(events) if e.kind == "reslot" and e.fault_id == 0)
     second_fault = [i for i, e in enumerate(events) if e.kind == "fault"][1]
     assert first_reslot < second_fault  # it struck after the first recovery's new generation was announced
     assert not any(e.kind == "step" for e in events[first_reslot:second_fault])
