@@ -181,6 +181,7 @@ class Simulation:
         self.reference_reduction = self.topology.reduction(reference)
         self.healthy_step_s = self._expected_s(self._shape(with_spikes=False))
 
+        self.finished = False
         self.committed = 0
         self.segment: Segment | None = None
         self.carry_s: float | None = None
@@ -237,9 +238,9 @@ class Simulation:
         self.last_step_event_t = t
         self.events.append(Event(round(t, 6), seg.first_step + index + 1, "step"))
 
-    def _sync(self, last_commit: bool = False) -> None:
+    def _sync(self, last_commit: bool = True) -> None:
         """Emit the step events an event at `now` needs before it: the first commit after the
-        previous event, and (before a fault) the last commit."""
+        previous event and the last commit before this one (so every episode's edges are exact)."""
         seg = self.segment
         if seg is None:
             return
@@ -255,7 +256,9 @@ class Simulation:
 
     def emit(self, kind: str, fault: str | None = None, target: str | None = None,
              action: str | None = None, **detail: Any) -> None:
-        self._sync(last_commit=kind == "fault")
+        if self.finished:  # a process woken at the very instant the run ended: the log is closed
+            return
+        self._sync()
         now = self.env.now
         self.events.append(Event(round(now, 6), self.committed_now(), kind, fault, target, action, detail))
         self.pending_first_since = now
@@ -417,6 +420,8 @@ class Simulation:
 
     # ------------------------------------------------------------------ talking to the trainer
     def notify(self, cause: Cause) -> None:
+        if self.finished:
+            return
         self.queue.append(cause)
         if self.interrupt_sent or not self.trainer.is_alive:
             return
@@ -604,6 +609,7 @@ class Simulation:
                 yield from self._segment(self._steps_to_boundary())
         self.emit("run_end", step_time_s=self.healthy_step_s, checkpoint_step=self.ckpt_step,
                   completed=completed)
+        self.finished = True
 
     def _handle(self, cause: Cause) -> None:
         fid = cause.fault_id
@@ -704,6 +710,8 @@ class Simulation:
             return
         sp = self.spikes[fid]
         healthy = self._shape(with_spikes=False)
+        if not healthy.groups:  # nobody computing (the job is down): nothing to watch
+            return
         delay = self._spike_delay(sp, self._active_per_region())
         healthy_s = self._expected_s(healthy)
         if delay > 0 and (healthy_s + delay) / healthy_s > self.scenario.policy.straggler_factor:
@@ -884,12 +892,12 @@ class Simulation:
                 self.segment = None
                 self._nan_step_done()
                 return
-            self._sync()
+            self._sync(last_commit=False)  # its end is written just below
             self._emit_step(seg, count - 1)
             self.committed += count
         else:
             k = seg.committed_by(self.env.now)
-            self._sync()
+            self._sync(last_commit=False)  # the cause's event wrote it
             self.committed += k
             if k < count:
                 self.carry_s = seg.start + float(cum[k]) - self.env.now

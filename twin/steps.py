@@ -118,6 +118,8 @@ _ERFC = np.frompyfunc(math.erfc, 1, 1)
 
 def expected_max(groups: tuple[tuple[int, float], ...], cv: float, points: int = 4001) -> float:
     """E[max over groups of the slowest node], by integrating 1 - CDF of the maximum."""
+    if not groups:
+        return 0.0
     top = max(base for _, base in groups)
     if cv == 0:
         return top
