@@ -308,10 +308,8 @@ def _first_commit_after(events: Sequence[Any], t: float) -> float | None:
     return next((e.t for e in events if e.kind == "step" and e.t > t), None)
 
 
-RUN_FAILURES: list[dict[str, str]] = []  # runs that failed and were tried again, for the record
-
-
-def run_runtime(scenario: S.Scenario, out_dir: Path, hangs: str | None = None) -> tuple[dict, list]:
+def run_runtime(scenario: S.Scenario, out_dir: Path, hangs: str | None = None,
+                failures: list[dict[str, str]] | None = None) -> tuple[dict, list]:
     """One real run; a run that fails is recorded and tried once more in a fresh directory
     (a calibration measures primitives, one flaky run must not void it; the record says so)."""
     from keel.events import read_events
@@ -319,7 +317,8 @@ def run_runtime(scenario: S.Scenario, out_dir: Path, hangs: str | None = None) -
     try:
         summary = run_scenario(scenario, out_dir, progress=False, hangs=hangs)
     except RunFailed as e:
-        RUN_FAILURES.append({"run": str(out_dir), "error": str(e)})
+        if failures is not None:
+            failures.append({"run": str(out_dir), "error": str(e)})
         print(f"calibrate: runtime run {out_dir} failed ({e}); trying it once more", file=sys.stderr)
         out_dir = Path(f"{out_dir}-retry")
         summary = run_scenario(scenario, out_dir, progress=False, hangs=hangs)
@@ -327,7 +326,7 @@ def run_runtime(scenario: S.Scenario, out_dir: Path, hangs: str | None = None) -
 
 
 def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, transfer_gbyte_s: float,
-                        progress: Callable[[str], None]) -> dict[str, list[float]]:
+                        progress: Callable[[str], None], failures: list | None = None) -> dict[str, list[float]]:
     """Real runs of the local scenario's shape. Absorb runs (`reps`): a training worker is
     SIGKILLed and the hot spare takes over, later another is SIGSTOPped (no spare left, the
     survivors take its slots). checkpoint_restart runs (`max(1, reps - 1)`): a worker is killed.
@@ -353,7 +352,8 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
     for rep in range(reps):
         progress(f"runtime run {rep + 1}/{reps}: {kill_target} killed (the spare takes over), "
                  f"a {spike_s * 1e3:.0f} ms spike on {spike_target}, {hang_target} hung")
-        summary, events = run_runtime(sc, workdir / f"absorb-{rep}", hangs=f"{hang_target}@{hang_at}")
+        summary, events = run_runtime(sc, workdir / f"absorb-{rep}", hangs=f"{hang_target}@{hang_at}",
+                                      failures=failures)
         step = float(summary["step_time_s"])
         out["step_time_s"].append(step)
         pause = {}
@@ -380,7 +380,7 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
         overrides={"policy.kind": "checkpoint_restart"})
     for rep in range(max(1, reps - 1)):
         progress(f"runtime run {rep + 1}/{max(1, reps - 1)}: {kill_target} killed under checkpoint_restart")
-        summary, events = run_runtime(cr, workdir / f"restart-{rep}")
+        summary, events = run_runtime(cr, workdir / f"restart-{rep}", failures=failures)
         step = float(summary["step_time_s"])
         for fid, ep in _episode_times(events).items():
             if "restart" in ep["t"]:
@@ -391,7 +391,7 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
 
 
 def pace_by_workers(base: S.Scenario, workdir: Path, steps: int, counts: int,
-                    progress: Callable[[str], None]) -> dict[int, float]:
+                    progress: Callable[[str], None], failures: list | None = None) -> dict[int, float]:
     """Fault-free step time of the local scenario's shape with its first 1..R regions (the
     same slots and model): how the pace depends on the number of workers sharing this
     machine's cores, which independent-node models do not see."""
@@ -411,7 +411,7 @@ def pace_by_workers(base: S.Scenario, workdir: Path, steps: int, counts: int,
         except S.ScenarioError:
             continue
         progress(f"fault-free pace run with {sc.training_nodes} workers")
-        summary, _ = run_runtime(sc, workdir / f"pace-{sc.training_nodes}")
+        summary, _ = run_runtime(sc, workdir / f"pace-{sc.training_nodes}", failures=failures)
         out[sc.training_nodes] = float(summary["step_time_s"])
     return out
 
@@ -465,7 +465,7 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
         if progress:
             print(f"calibrate: {msg} [{time.perf_counter() - started:.0f} s]", file=sys.stderr, flush=True)
 
-    RUN_FAILURES.clear()
+    failures: list[dict[str, str]] = []  # runs that failed and were tried again, for the record
     tmp = tempfile.TemporaryDirectory(prefix="keel-calibrate-") if workdir is None else None
     work = Path(tmp.name if tmp else workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -479,8 +479,9 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
                     for i in range(len(group[0]["state_transfer_s"]))]
         say("checkpoint snapshot, write and read")
         ckpt = checkpoint_throughput(base, reps, work)
-        pace = pace_by_workers(base, work / "runs", run_steps, 2 if quick else 3, say)
-        rec = recovery_primitives(base, run_reps, work / "runs", run_steps, statistics.median(transfer), say)
+        pace = pace_by_workers(base, work / "runs", run_steps, 2 if quick else 3, say, failures)
+        rec = recovery_primitives(base, run_reps, work / "runs", run_steps, statistics.median(transfer), say,
+                                  failures)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -540,7 +541,7 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
                       "repetitions": reps, "runtime_runs": run_reps, "runtime_steps": run_steps},
         "duration_s": round(time.perf_counter() - started, 2),
         "missing": missing,
-        "runtime_failures": list(RUN_FAILURES),
+        "runtime_failures": failures,
         # not a twin primitive (yet): on a machine whose cores the workers share, the pace
         # grows with the worker count; a host-sharing model would take it from here
         "pace": {"step_time_s_by_workers": {str(w): pace[w] for w in counts},
