@@ -46,8 +46,10 @@ Semantics (docs/design.md for step numbering and fault ids):
   node (skipped when it holds no slots); rack loss a region drawn by node count and nodes
   drawn among its live ones; NaN a uniformly drawn shard. Scheduled faults strike half-way
   through step at_step + 1; a scheduled rack loss takes the region's first live nodes.
-- Step events: every segment's last commit, the last commit before each fault and the first
-  commit after any other event, so `keel.metrics.summarize` sees every episode's edges.
+- Step events: every segment's last commit, and around every other event the last commit
+  before it and the first commit after it, so `keel.metrics.summarize` sees every episode's
+  edges exactly while fault-free stretches stay sampled.
+- A run that would take more than WALL_LIMIT_FACTOR x its fault-free time is stopped there.
 """
 from __future__ import annotations
 
