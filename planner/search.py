@@ -236,7 +236,9 @@ def plan(scenario: S.Scenario, *, trials: int = 60, replicas: int = 8, runner: S
                                          multivariate=True, constant_liar=True)
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
     study.enqueue_trial(current_policy(base, space))
+    enqueued = {0: "scenario"}
     if "policy.kind" in space and INTERVAL in space:
+        enqueued[1] = "young-daly"
         study.enqueue_trial({**current_policy(base, space), "policy.kind": "checkpoint_restart",
                              INTERVAL: min(space[INTERVAL].high, max(space[INTERVAL].low, yd["interval_steps"]))})
     jobs_per_batch = max(1, getattr(runner, "processes", 1) * 2 // max(1, replicas))
@@ -248,7 +250,7 @@ def plan(scenario: S.Scenario, *, trials: int = 60, replicas: int = 8, runner: S
         policies = [suggest_policy(t, space, base) for t in batch]
         for t, policy, res in zip(batch, policies, ev.score_many(policies)):
             study.tell(t, [res["goodput"], res["cost_node_hours_per_step"]])
-            source = "scenario" if t.number == 0 else "tpe"
+            source = enqueued.get(t.number, "tpe")
             records.append({"number": t.number, "source": source, "policy": policy, **res})
         done += len(batch)
         best = max(r["goodput"] for r in records)

@@ -330,8 +330,11 @@ def check_plan(scenario: S.Scenario, plan: Mapping[str, Any], out_dir: str | Pat
         if progress:
             print(f"plan --validate: running the {name} policy on the runtime -> {out / name}", file=sys.stderr)
         summary = run_scenario(sc, out / name, progress=progress)
+        from keel.events import read_events
+        window = training_window(summary, read_events(out / name / "events.jsonl"))
         runs[name] = {"policy": policy, "predicted_goodput": plan[name]["goodput"],
-                      "observed_goodput": summary["goodput"], "observed_wall_s": summary["wall_s"],
+                      "observed_goodput": window["goodput"], "observed_wall_s": window["wall_s"],
+                      "launch_s": window["launch_s"], "observed_goodput_with_launch": summary["goodput"],
                       "restarts": summary.get("restarts"), "out": str(out / name)}
     pred = runs["recommended"]["predicted_goodput"] - runs["baseline"]["predicted_goodput"]
     obs = runs["recommended"]["observed_goodput"] - runs["baseline"]["observed_goodput"]
