@@ -321,6 +321,8 @@ class _Loader:
     def value(self, tp: Any, raw: Any, key: str) -> Any:
         origin = typing.get_origin(tp)
         if origin in (typing.Union, types.UnionType):
+            if raw is None:  # an optional key left unset (to_dict writes it as null)
+                return None
             args = [a for a in typing.get_args(tp) if a is not type(None)]
             return self.value(args[0], raw, key)
         if dataclasses.is_dataclass(tp):

@@ -58,10 +58,11 @@ def test_config_hash_is_canonical_and_sensitive():
     assert S.diff_configs(a.to_dict(), c.to_dict()) == ["regions.0.nodes: 2 -> 3"]
 
 
-def test_dump_round_trips():
-    s = S.load(SCENARIOS / "local-8.toml")
-    again = S.loads(S.dumps(s))
-    assert again.config_hash() == s.config_hash()
+def test_dump_and_dict_round_trip():
+    for name in ("local-8.toml", "multiregion-46.toml"):
+        s = S.load(SCENARIOS / name)
+        assert S.loads(S.dumps(s)).config_hash() == s.config_hash()
+        assert S.from_dict(s.to_dict()).config_hash() == s.config_hash()
 
 
 @pytest.mark.parametrize("text, overrides, expected", [
