@@ -76,7 +76,17 @@ class LocalProcess:
     def __init__(self, handle):
         self.handle = handle
         if not isinstance(handle, subprocess.Popen):
-            handle.start()
+            # the worker needs nothing from __main__: keep multiprocessing from re-importing the
+            # caller's main module in it (a script, pytest, or stdin, which cannot be)
+            main = sys.modules["__main__"]
+            saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+            main.__dict__.pop("__file__", None)
+            main.__spec__ = None
+            try:
+                handle.start()
+            finally:
+                main.__dict__.pop("__spec__", None)
+                main.__dict__.update(saved)
         self.pid = handle.pid
 
     def poll(self) -> int | None:

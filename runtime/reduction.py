@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
-import time
+import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -121,43 +121,78 @@ def reduce_local(layout: Layout, per_worker: Sequence[Sequence[torch.Tensor]], s
 
 # ----------------------------------------------------------------------------- on a process group
 
-def wait_work(work, should_abort: Callable[[], bool]) -> None:
-    """Wait on async collective work while watching for the coordinator's abort: poll
-    `is_completed()` (backing off from 50 us to 1 ms) so a survivor leaves at once instead of
-    sitting out a gloo timeout. Raises `Aborted`, or the collective's own error."""
-    delay = 5e-5
-    while not work.is_completed():
-        if should_abort():
-            raise Aborted()
-        time.sleep(delay)
-        delay = min(delay * 2, 1e-3)
-    try:
-        work.wait()
-    except RuntimeError as e:
-        raise CollectiveError(str(e)) from e
+class Waiter:
+    """Waits on async collective work without spinning: a helper thread blocks in
+    `work.wait()` (the GIL released) and sets an event; the abort signal (`interrupt()`, called
+    from the control channel's reader thread) sets the same event. So a survivor leaves at once
+    when the coordinator aborts, instead of sitting out a gloo timeout, and a waiting worker
+    costs no CPU. A helper blocked on an aborted collective ends when that collective fails."""
+
+    def __init__(self) -> None:
+        self._event: threading.Event | None = None
+
+    def interrupt(self) -> None:
+        ev = self._event
+        if ev is not None:
+            ev.set()
+
+    def wait(self, work, should_abort: Callable[[], bool]) -> None:
+        if not work.is_completed():
+            ev = threading.Event()
+            self._event = ev
+
+            def block() -> None:
+                try:
+                    work.wait()
+                except Exception:  # noqa: BLE001  (re-raised below by the caller's wait)
+                    pass
+                ev.set()
+            threading.Thread(target=block, daemon=True, name="collective-wait").start()
+            try:
+                while not work.is_completed():
+                    if should_abort():
+                        raise Aborted()
+                    ev.wait(0.05)  # the timeout is only a safety net
+                    ev.clear()  # completion and abort are re-checked at the top
+            finally:
+                self._event = None
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise CollectiveError(str(e)) from e
 
 
-def allreduce(pg, tensor: torch.Tensor, op, should_abort: Callable[[], bool]) -> torch.Tensor:
+_POLLING = Waiter()
+
+
+def wait_work(work, should_abort: Callable[[], bool], waiter: Waiter | None = None) -> None:
+    """Wait on async collective work while watching for the coordinator's abort; raises
+    `Aborted`, or `CollectiveError` if the collective failed."""
+    (waiter or _POLLING).wait(work, should_abort)
+
+
+def allreduce(pg, tensor: torch.Tensor, op, should_abort: Callable[[], bool], waiter: Waiter | None = None) -> torch.Tensor:
     import torch.distributed as dist
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
-    wait_work(pg.allreduce([tensor], opts), should_abort)
+    wait_work(pg.allreduce([tensor], opts), should_abort, waiter)
     return tensor
 
 
-def broadcast(pg, tensor: torch.Tensor, root: int, should_abort: Callable[[], bool]) -> torch.Tensor:
+def broadcast(pg, tensor: torch.Tensor, root: int, should_abort: Callable[[], bool], waiter: Waiter | None = None) -> torch.Tensor:
     import torch.distributed as dist
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     opts.rootTensor = 0
-    wait_work(pg.broadcast([tensor], opts), should_abort)
+    wait_work(pg.broadcast([tensor], opts), should_abort, waiter)
     return tensor
 
 
 class SlotReducer:
     """The two-collective reduction of one step on a process group."""
 
-    def __init__(self, layout: Layout, slots: int, device: str = "cpu"):
+    def __init__(self, layout: Layout, slots: int, device: str = "cpu", waiter: Waiter | None = None):
+        self.waiter = waiter
         self.layout = layout
         self.slots = slots
         self.device = device
@@ -171,13 +206,13 @@ class SlotReducer:
         m = local_maxima(self.layout, slot_vectors)
         before_comm()
         m = self._to_dev(m)
-        allreduce(pg, m, dist.ReduceOp.MAX, should_abort)
+        allreduce(pg, m, dist.ReduceOp.MAX, should_abort, self.waiter)
         m = m.cpu()
         if m[-1] > 0:
             return None
         sh = shifts(m, self.slots)
         total = self._to_dev(encode(self.layout, slot_vectors, sh))
-        allreduce(pg, total, dist.ReduceOp.SUM, should_abort)
+        allreduce(pg, total, dist.ReduceOp.SUM, should_abort, self.waiter)
         return decode(self.layout, total.cpu(), sh, self.slots)
 
     def _to_dev(self, t: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 
 from runtime.inject import CommGate, kill_self, poisoned_at
 from runtime.protocol import Channel, parse_address
-from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, broadcast
+from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter, broadcast
 
 PG_TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -84,7 +84,8 @@ class Worker:
         self.optimizer = build_optimizer(self.model, sc.model)
         self.params = list(self.model.parameters())
         self.layout = Layout(tuple(p.numel() for p in self.params) + (1,))
-        self.reducer = SlotReducer(self.layout, sc.slot_count, self.device)
+        self.waiter = Waiter()
+        self.reducer = SlotReducer(self.layout, sc.slot_count, self.device, self.waiter)
         self.total_steps = sc.run.steps
         self.committed = 0  # a fresh worker holds the state of step 0 of a fresh run
         self.quarantine: frozenset[int] = frozenset()
@@ -129,6 +130,7 @@ class Worker:
             if kind == "abort":
                 self.abort_gen = max(self.abort_gen, int(msg["gen"]))
                 self.abort_event.set()
+                self.waiter.interrupt()
                 self.inbox.put(msg)
             elif kind == "jitter":
                 self.gate.set_jitter(float(msg["spike_ms"]), float(msg["duration_s"]))
@@ -281,11 +283,11 @@ class Worker:
             return
         pg = self._make_group(g, party.index(rank), len(party), prefix=f"gen{g}/state/")
         has_opt = torch.tensor([float(bool(self.optimizer.state))], device=self.device)
-        broadcast(pg, has_opt, 0, should_abort)
+        broadcast(pg, has_opt, 0, should_abort, self.waiter)
         has_opt = has_opt.cpu()
         tensors = self._state_tensors(bool(has_opt.item()))
         flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]).to(self.device)
-        broadcast(pg, flat, 0, should_abort)
+        broadcast(pg, flat, 0, should_abort, self.waiter)
         if rank == source:
             return
         flat = flat.cpu()
