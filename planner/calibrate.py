@@ -38,7 +38,8 @@ UNITS = {
     "spare_takeover_s": "s", "ckpt_snapshot_gbyte_s": "GB/s", "ckpt_write_gbyte_s": "GB/s",
     "ckpt_read_gbyte_s": "GB/s", "restart_s": "s",
 }
-OPTIONAL = {"spike_rounds": "rounds"}  # the twin takes it where given
+OPTIONAL = {"spike_rounds": "rounds",  # the twin takes it where given
+            "detect_rack_s": "s"}  # not read by the twin yet: it detects a rack loss after detect_hang_s
 PRIMITIVES = tuple(UNITS)
 
 
@@ -342,16 +343,18 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
         / (transfer_gbyte_s * 1e9)
     spike_at, spike_s = max(3, (2 * steps) // 5), 0.15
     spike_target = trained[3]  # holds one slot
+    rack_at, rack = max(6, (4 * steps) // 5), base.regions[-1]
     sc = calibration_scenario(base, steps=steps, schedule=[
         {"at_step": kill_at, "class": "hardware_fault", "target": kill_target},
         {"at_step": spike_at, "class": "network_jitter", "target": spike_target,
-         "spike_ms": spike_s * 1e3, "duration_s": 1.5}])
+         "spike_ms": spike_s * 1e3, "duration_s": 1.5},
+        {"at_step": rack_at, "class": "partial_cluster_loss", "target": rack.name, "nodes": rack.nodes}])
     out: dict[str, list[float]] = {k: [] for k in ("detect_kill_s", "detect_hang_s", "reform_s",
                                                  "spare_takeover_s", "step_time_s", "restart_s",
-                                                 "spike_rounds")}
+                                                 "spike_rounds", "detect_rack_s")}
     for rep in range(reps):
         progress(f"runtime run {rep + 1}/{reps}: {kill_target} killed (the spare takes over), "
-                 f"a {spike_s * 1e3:.0f} ms spike on {spike_target}, {hang_target} hung")
+                 f"a {spike_s * 1e3:.0f} ms spike on {spike_target}, {hang_target} hung, {rack.name} lost")
         summary, events = run_runtime(sc, workdir / f"absorb-{rep}", hangs=f"{hang_target}@{hang_at}",
                                       failures=failures)
         step = float(summary["step_time_s"])
@@ -369,6 +372,9 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
                 continue
             mode = ep["detail"]["fault"].get("mode")
             detect = t["detect"] - t["fault"]
+            if ep["class"] == "partial_cluster_loss":
+                out["detect_rack_s"].append(detect)
+                continue
             pause[mode] = t["recover_end"] - t["detect"] - step - per_slot_copy_s
             out["detect_hang_s" if mode == "hang" else "detect_kill_s"].append(detect)
         if "hang" in pause:
@@ -515,6 +521,9 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
         "ckpt_write_gbyte_s": entry(ckpt["ckpt_write_gbyte_s"], "GB/s", how="runtime.checkpoint.write_snapshot (fsynced)"),
         "ckpt_read_gbyte_s": entry(ckpt["ckpt_read_gbyte_s"], "GB/s", how="runtime.checkpoint.load_checkpoint (verified)"),
     }
+    if rec["detect_rack_s"]:
+        primitives["detect_rack_s"] = entry(rec["detect_rack_s"], "s",
+                                            how="detect - fault of a rack loss (its workers SIGKILLed at once), runtime runs")
     if rec["spike_rounds"]:
         primitives["spike_rounds"] = entry(rec["spike_rounds"], "rounds",
                                            how="a spiked worker's excess time per step over the median, / spike, "
