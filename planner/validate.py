@@ -67,14 +67,17 @@ def resolve_calibration(path: str | None, out_dir: Path, progress: bool,
 
 # ----------------------------------------------------------------------------- the twin side
 
-def twin_prediction(scenario: S.Scenario, calibration: Mapping[str, Any], replicas: int,
-                    out_dir: Path, processes: int | None = None) -> dict[str, Any]:
-    """The seeded reference run (written to out_dir/twin) and `replicas` jittered replicas."""
+def twin_prediction(scenario: S.Scenario, calibration: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+                    replicas: int, out_dir: Path, processes: int | None = None) -> dict[str, Any]:
+    """The seeded reference run (written to out_dir/twin) and `replicas` jittered replicas.
+    Given several calibrations (one per repetition, each with the pace measured before it),
+    replica i uses calibration i mod n, so the pooled replicas predict the repetitions."""
     import twin
     from keel.events import write_events
     from planner.replicas import LocalRunner, seeds_for
+    cals = [dict(c) for c in calibration] if isinstance(calibration, (list, tuple)) else [dict(calibration)]
     replay = PS.schedule_only(scenario)
-    result = twin.simulate(replay, seed=scenario.run.seed, calibration=dict(calibration))
+    result = twin.simulate(replay, seed=scenario.run.seed, calibration=cals[0])
     twin_dir = out_dir / "twin"
     twin_dir.mkdir(parents=True, exist_ok=True)
     events_path = twin_dir / "events.jsonl"
@@ -84,7 +87,7 @@ def twin_prediction(scenario: S.Scenario, calibration: Mapping[str, Any], replic
     (twin_dir / "summary.json").write_text(json.dumps(result.summary, indent=1, sort_keys=True, default=str) + "\n")
     seeds = seeds_for(scenario.run.seed, replicas)
     with LocalRunner(processes) as runner:
-        reps = runner.map([(replay, s, dict(calibration)) for s in seeds])
+        reps = runner.map([(replay, s, cals[i % len(cals)]) for i, s in enumerate(seeds)])
     return {"reference": result.summary, "replicas": reps, "seeds": seeds,
             "detect_s": detect_times(_as_events(result.events))}
 
@@ -125,12 +128,14 @@ def training_window(summary: Mapping[str, Any], events: Sequence[Any]) -> dict[s
             "goodput_with_launch": float(summary["goodput"])}
 
 
-def runtime_observation(scenario: S.Scenario, repetitions: int, out_dir: Path,
-                        progress: bool) -> list[dict[str, Any]]:
+def runtime_observation(scenario: S.Scenario, repetitions: int, out_dir: Path, progress: bool,
+                        before_each: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     from keel.events import read_events
     from runtime.api import run_scenario
     observed = []
     for k in range(repetitions):
+        if before_each is not None:
+            before_each(k)
         rep_dir = out_dir / "runtime" / f"rep-{k}"
         if progress:
             print(f"validate: runtime repetition {k + 1}/{repetitions} -> {rep_dir}", file=sys.stderr)
@@ -228,14 +233,14 @@ PACE_STEPS = 30
 
 
 def pace_run(scenario: S.Scenario, calibration: Mapping[str, Any], out_dir: Path,
-             progress: bool) -> tuple[dict, dict]:
-    """The fault-free pace depends on how busy the machine is now, not only on what it is: one
+             progress: bool, name: str = "pace") -> tuple[dict, dict]:
+    """The fault-free pace depends on how busy the machine is now, not only on what it is: a
     fault-free runtime run of the scenario (its own directory, not one of the judged runs)
     re-measures it, and the calibration's reduction level and per-step overhead are re-split
     from it (`planner.calibrate.refresh_pace`); every other primitive is the calibration's."""
     from planner.calibrate import refresh_pace
     from runtime.api import run_scenario
-    pace_dir = out_dir / "runtime" / "pace"
+    pace_dir = out_dir / "runtime" / name
     if progress:
         print(f"validate: a fault-free pace run -> {pace_dir}", file=sys.stderr)
     summary = run_scenario(scenario, pace_dir, steps=min(scenario.run.steps, PACE_STEPS), no_faults=True,
@@ -259,13 +264,20 @@ def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | No
     cal, cal_path, how = resolve_calibration(calibration, out, progress)
     if progress:
         print(f"validate: calibration {cal_path} ({how})", file=sys.stderr)
-    pace = None
-    if refresh_pace:
-        cal, pace = pace_run(scenario, cal, out, progress)
-    observed = runtime_observation(scenario, repetitions or scenario.validate.repetitions, out, progress)
-    predicted = twin_prediction(scenario, cal, replicas, out, processes)
+    # each repetition is predicted at the pace measured in a fault-free run just before it
+    paced: list[dict] = []
+    paces: list[dict] = []
+
+    def measure_pace(k: int) -> None:
+        refreshed, pace = pace_run(scenario, cal, out, progress, name=f"pace-{k}")
+        paced.append(refreshed)
+        paces.append(pace)
+
+    observed = runtime_observation(scenario, repetitions or scenario.validate.repetitions, out, progress,
+                                   before_each=measure_pace if refresh_pace else None)
+    predicted = twin_prediction(scenario, paced or cal, replicas, out, processes)
     comparison = compare(scenario, predicted, observed, cal_path, how)
-    comparison["pace_run"] = pace
+    comparison["pace_runs"] = paces
     (out / "comparison.json").write_text(json.dumps(comparison, indent=1, sort_keys=True, allow_nan=False) + "\n")
     return comparison
 
