@@ -82,14 +82,33 @@ def local_maxima(layout: Layout, slot_vectors: Sequence[torch.Tensor]) -> torch.
     return torch.cat([torch.where(finite, m, torch.zeros(())), flag])
 
 
+def exponents(maxima: Sequence[float]) -> list[int]:
+    """e with m < 2**e for each m (0 for m == 0)."""
+    return [math.frexp(m)[1] if m > 0 else 0 for m in maxima]
+
+
+def shifts_for(exps: Sequence[int | None], slots: int) -> torch.Tensor:
+    """int64[segments]: the power of two each segment is scaled by, for values below 2**e
+    (None: a zero bound, only zeros, any shift)."""
+    headroom = max(0, math.ceil(math.log2(slots))) if slots > 1 else 0
+    return torch.tensor([SHIFT_BASE - (e or 0) - headroom for e in exps], dtype=torch.int64)
+
+
 def shifts(global_maxima: torch.Tensor, slots: int) -> torch.Tensor:
     """int64[segments]: the power of two each segment is scaled by before rounding."""
-    headroom = max(0, math.ceil(math.log2(slots))) if slots > 1 else 0
-    out = []
-    for m in global_maxima[:-1].tolist():
-        e = math.frexp(m)[1] if m > 0 else 0  # m < 2**e
-        out.append(SHIFT_BASE - e - headroom)
-    return torch.tensor(out, dtype=torch.int64)
+    return shifts_for(exponents(global_maxima[:-1].tolist()), slots)
+
+
+def fits(local: torch.Tensor, exps: Sequence[int | None]) -> bool:
+    """Every segment's local maximum is below its bound 2**e (a zero bound admits only 0)."""
+    return all(m == 0 if e is None else m < math.ldexp(1.0, e) for m, e in zip(local[:-1].tolist(), exps))
+
+
+def bound_exponents(bounds: Sequence[float] | None) -> list[int | None] | None:
+    """e with bound <= 2**e per a priori bound (None for a zero bound); None: no bounds."""
+    if bounds is None:
+        return None
+    return [math.frexp(b)[1] if b > 0 else None for b in bounds]
 
 
 def encode(layout: Layout, slot_vectors: Sequence[torch.Tensor], shift: torch.Tensor) -> torch.Tensor:
@@ -108,9 +127,18 @@ def decode(layout: Layout, total: torch.Tensor, shift: torch.Tensor, slots: int)
     return total.to(torch.float64).mul_(mult).to(torch.float32)
 
 
-def reduce_local(layout: Layout, per_worker: Sequence[Sequence[torch.Tensor]], slots: int) -> torch.Tensor | None:
+def reduce_local(layout: Layout, per_worker: Sequence[Sequence[torch.Tensor]], slots: int,
+                 bounds: Sequence[float] | None = None) -> torch.Tensor | None:
     """The whole reduction without a network, for tests and for checking: `per_worker` is each
     worker's list of slot vectors. None if any value is non-finite."""
+    exps = bound_exponents(bounds)
+    if exps is not None:
+        local = [local_maxima(layout, vs) for vs in per_worker]
+        if any(lm[-1] > 0 for lm in local):
+            return None
+        if all(fits(lm, exps) for lm in local):
+            sh = shifts_for(exps, slots)
+            return decode(layout, sum(encode(layout, vs, sh) for vs in per_worker), sh, slots)
     m = torch.stack([local_maxima(layout, vs) for vs in per_worker]).max(dim=0).values
     if m[-1] > 0:
         return None
@@ -189,7 +217,8 @@ def broadcast(pg, tensor: torch.Tensor, root: int, should_abort: Callable[[], bo
 
 
 class SlotReducer:
-    """The two-collective reduction of one step on a process group."""
+    """The reduction of one step on a process group: one collective when a priori bounds
+    hold, else two."""
 
     def __init__(self, layout: Layout, slots: int, device: str = "cpu", waiter: Waiter | None = None):
         self.waiter = waiter
@@ -198,13 +227,36 @@ class SlotReducer:
         self.device = device
 
     def reduce(self, pg, slot_vectors: Sequence[torch.Tensor], should_abort: Callable[[], bool],
-               before_comm: Callable[[], None] = lambda: None) -> torch.Tensor | None:
+               before_comm: Callable[[], None] = lambda: None,
+               bounds: Sequence[float] | None = None) -> torch.Tensor | None:
         """The mean over all slots of the run (float32[total]), or None when some slot anywhere
         holds a non-finite value. `before_comm` runs before the first collective (the place
-        where injected network delay lives)."""
+        where injected network delay lives).
+
+        `bounds` (per segment, the same on every worker: a function of the replicated training
+        state) turns the common case into one round: every worker encodes with the bounds'
+        shift and adds two counters to the int64 vector (workers whose values exceed a bound,
+        workers holding a non-finite value). If no one overflowed, that sum is the result; if
+        someone did, the step falls back to the two rounds. Which path a step takes depends
+        only on the state and the slots' values, so it is the same in every replay."""
         import torch.distributed as dist
         m = local_maxima(self.layout, slot_vectors)
         before_comm()
+        self.last_rounds = 2
+        exps = bound_exponents(bounds)
+        if exps is not None:
+            nonfinite = bool(m[-1] > 0)
+            ok = not nonfinite and fits(m, exps)
+            sh = shifts_for(exps, self.slots)
+            data = encode(self.layout, slot_vectors, sh) if ok else torch.zeros(self.layout.total, dtype=torch.int64)
+            buf = self._to_dev(torch.cat([data, torch.tensor([0 if ok or nonfinite else 1, int(nonfinite)])]))
+            allreduce(pg, buf, dist.ReduceOp.SUM, should_abort, self.waiter)
+            buf = buf.cpu()
+            if buf[-1] > 0:
+                return None
+            if buf[-2] == 0:
+                self.last_rounds = 1
+                return decode(self.layout, buf[:-2], sh, self.slots)
         m = self._to_dev(m)
         allreduce(pg, m, dist.ReduceOp.MAX, should_abort, self.waiter)
         m = m.cpu()

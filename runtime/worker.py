@@ -35,6 +35,8 @@ from runtime.protocol import Channel, parse_address
 from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter, broadcast
 
 PG_TIMEOUT = datetime.timedelta(seconds=120)
+BOUND_HEADROOM = 256.0  # slot values may exceed the first moment this much and still take one round
+LOSS_BOUND = 2.0 ** 20
 
 
 def _set_pdeathsig() -> None:
@@ -336,7 +338,7 @@ class Worker:
                 gate_s[0] = self.gate.pass_through(self.abort_event)
                 if should_abort():
                     raise Aborted()
-            mean = self.reducer.reduce(pg, vectors, should_abort, before_comm)
+            mean = self.reducer.reduce(pg, vectors, should_abort, before_comm, bounds=self._bounds())
             t_ready = t_compute + gate_s[0]
             if mean is None:  # some slot somewhere is non-finite: which of my samples were?
                 suspects = {sh for b, v in zip(batches, vectors) if not bool(torch.isfinite(v).all())
@@ -354,6 +356,7 @@ class Worker:
             t_total = time.perf_counter() - t0
             self.chan.send({"type": "step", "gen": g, "step": self.committed, "loss": float(mean[-1]),
                             "ready_s": t_ready, "compute_s": t_compute, "total_s": t_total,
+                            "rounds": self.reducer.last_rounds,
                             "slots": len(self.slots)})
             if self.rank == 0 and self.committed % self.scenario.checkpoint.interval_steps == 0:
                 self._checkpoint(g)
@@ -361,6 +364,23 @@ class Worker:
         from runtime.model import weights_sha256
         self.chan.send({"type": "done", "gen": g, "committed": self.committed,
                         "sha256": weights_sha256(self.model)})
+
+    def _bounds(self) -> list[float] | None:
+        """A priori bounds on this step's slot values, per segment, from the replicated AdamW
+        state (identical on every worker, restored by a checkpoint, sent to a spare): 256 x the
+        largest |first moment| of each tensor, and 2^20 for the loss. None before the first
+        update. Values beyond them only cost the step a second round (reduction.py)."""
+        state = self.optimizer.state
+        if not state:
+            return None
+        out = []
+        for p in self.params:
+            st = state.get(p)
+            if not st or "exp_avg" not in st:
+                return None
+            out.append(float(st["exp_avg"].abs().max()) * BOUND_HEADROOM)
+        out.append(LOSS_BOUND)
+        return out
 
     def _nonfinite(self, g: int, step: int, suspects: list[int], should_abort) -> None:
         """No non-finite value reaches the weights: report, wait for the coordinator's

@@ -87,3 +87,26 @@ def test_no_overflow_at_the_extremes():
         got = decode(layout, total, sh, n)
         assert torch.equal(got[:2], v[:2]), (v, got)
         assert abs(float(got[2]) - float(v[2])) <= 2.0 ** -50 * float(v.abs().max())
+
+
+def test_one_round_with_bounds_is_partition_independent_and_accurate():
+    layout = Layout((50, 7, 300, 1))
+    vecs = _slots(8, layout.sizes, seed=3, spread=2.0)
+    exact = torch.stack([v.double() for v in vecs]).mean(0)
+    segs = torch.split(torch.stack(vecs).abs().max(0).values, list(layout.sizes))
+    bounds = [float(x.max()) * 1.5 for x in segs]  # holds: one round
+    ref = reduce_local(layout, [vecs], 8, bounds)
+    for parts in _partitions(8, random.Random(2)):
+        got = reduce_local(layout, [[vecs[i] for i in p] for p in parts], 8, bounds)
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    ulp = torch.finfo(torch.float32).eps * exact.abs()
+    assert bool(((ref.double() - exact).abs() <= ulp + 2.0 ** -50).all())
+    # a bound that does not hold for one slot: every partition falls back to two rounds alike
+    tight = list(bounds)
+    tight[2] = float(segs[2].max()) * 0.5
+    two = reduce_local(layout, [vecs], 8)
+    for parts in _partitions(8, random.Random(3)):
+        got = reduce_local(layout, [[vecs[i] for i in p] for p in parts], 8, tight)
+        assert torch.equal(got.view(torch.int32), two.view(torch.int32))
+    # a zero bound admits only zeros
+    assert torch.equal(reduce_local(layout, [vecs], 8, [0.0] + bounds[1:]).view(torch.int32), two.view(torch.int32))
