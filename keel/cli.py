@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("calibrate", help="measure the runtime's primitives for the twin")
     sp.add_argument("--out", default="calibration.json")
+    sp.add_argument("--quick", action="store_true", help="fewer repetitions and shorter runs")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=_handler("planner.cli:calibrate"))
 
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--trials", type=int, default=60)
     sp.add_argument("--replicas", type=int, default=8)
     sp.add_argument("--ray", default=None, metavar="ADDRESS")
+    sp.add_argument("--calibration", default=None, help="calibration.json from keel calibrate")
     sp.add_argument("--validate", action="store_true")
     sp.add_argument("--out", default=None)
     sp.add_argument("--json", action="store_true")

@@ -38,8 +38,11 @@ def fault_free_step_time(events: Sequence[Event]) -> float:
             prev = e
         elif e.kind not in ("run_start",):
             prev = None
+    if not paces:  # every interval has something in it (a checkpoint every step, say)
+        commits = [e for e in events if e.kind == "step"]
+        paces = [(b.t - a.t) / (b.step - a.step) for a, b in zip(commits, commits[1:]) if b.step > a.step]
     if not paces:
-        raise ValueError("no fault-free step interval in the log to estimate the step time from")
+        raise ValueError("fewer than two committed steps in the log to estimate the step time from")
     return statistics.median(paces)
 
 

@@ -29,7 +29,7 @@ def _positive(value: int, flag: str) -> int:
 
 def calibrate(args: Any) -> int:
     from planner import calibrate as C
-    quick = os.environ.get(QUICK_ENV, "") not in ("", "0")
+    quick = getattr(args, "quick", False) or os.environ.get(QUICK_ENV, "") not in ("", "0")
     cal = C.calibrate(quick=quick, progress=True)
     path = C.write(cal, args.out)
     if args.json:

@@ -72,3 +72,10 @@ def test_event_log_round_trip_and_schema_errors(tmp_path):
     path.write_text('{"t": 0, "step": 0, "kind": "run_start"}\nnot json\n')
     with pytest.raises(EventLogError, match=r"events.jsonl:2: not valid JSON"):
         read_events(path)
+
+
+def test_step_time_when_every_interval_holds_a_checkpoint():
+    ev = [E(0.0, 0, "run_start")]
+    for k in range(1, 6):
+        ev += [E(2.0 * k, k, "step"), E(2.0 * k, k, "checkpoint_start"), E(2.0 * k + 0.1, k, "checkpoint_end")]
+    assert fault_free_step_time(ev) == pytest.approx(2.0)
