@@ -99,7 +99,8 @@ class Worker:
         self._stores: dict[int, Any] = {}
         self._pool_lock = threading.Lock()
         self._pool_rng = random.Random(os.getpid())
-        self._store_pool = [self._new_store() for _ in range(3)]
+        self._store_pool = [self._new_store()]  # the first generation's; a spare follows soon
+        self._refill_store_pool()
         self.gloo_host = welcome.get("gloo_host") or ("127.0.0.1" if store_host in ("127.0.0.1", "localhost") else "")
         self.pgs: list[Any] = []  # old groups stay referenced: destroying one mid-collective blocks
         self.gate = CommGate(hash((sc.run.seed, self.node)) & 0xFFFFFFFF)
@@ -238,9 +239,9 @@ class Worker:
     def _store_for(self, g: int):
         """Each generation talks to the store over a connection of its own: a lazy connect of
         an aborted group may still sit in a store wait for a dead peer's address, and a TCPStore
-        client serialises its operations. Connections come from a small pool opened at start;
-        it is refilled in the background at a random moment a few seconds later, so 46 workers
-        never reconnect at once during a recovery (such a burst stalled the store ~5 s here)."""
+        client serialises its operations. Connections come from a small pool, refilled in
+        the background at a random moment a few seconds after each use, so 46 workers never
+        reconnect at once during a recovery (such a burst stalled the store ~5 s here)."""
         if g in self._stores:
             return self._stores[g]
         with self._pool_lock:
@@ -248,14 +249,16 @@ class Worker:
         if store is None:
             store = self._new_store()
         self._stores = {g: store}
+        self._refill_store_pool()
+        return store
 
+    def _refill_store_pool(self) -> None:
         def refill() -> None:
             time.sleep(self._pool_rng.uniform(2.0, 10.0))
             st = self._new_store()
             with self._pool_lock:
                 self._store_pool.append(st)
         threading.Thread(target=refill, daemon=True, name="store-refill").start()
-        return store
 
     def _new_store(self):
         return self.dist.TCPStore(self.store_host, self.store_port, None, False,
