@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from keel.durable import fsync_dir, write_synced
 from keel.errors import InputError
 from keel.scenario import diff_configs
 
@@ -163,19 +164,6 @@ def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
 
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _split_tensors(d: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -244,18 +232,18 @@ def write_snapshot(run_dir: str | Path, snapshot: Snapshot, keep: int = 3) -> Pa
     trash = None
     try:
         for name, data in files.items():
-            _write_file(tmp / name, data)
+            write_synced(tmp / name, data)
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": snapshot.step,
                     "created_unix_ms": int(time.time() * 1000), "fields": FIELD_FILES,
                     "files": {name: {"sha256": sha256(data).hexdigest(), "bytes": len(data)} for name, data in files.items()}}
         manifest["manifest_sha256"] = sha256(_canonical(manifest)).hexdigest()
-        _write_file(tmp / MANIFEST, _json_bytes(manifest))
-        _fsync_dir(tmp)
+        write_synced(tmp / MANIFEST, _json_bytes(manifest))
+        fsync_dir(tmp)
         if final.exists():  # the same step written again (a redone step): replace it
             trash = run_dir / f".trash-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
             os.rename(final, trash)
         os.rename(tmp, final)
-        _fsync_dir(run_dir)
+        fsync_dir(run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -34,6 +34,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from keel.durable import fsync_dir, write_synced
 from keel.errors import InputError
 
 FORMAT = "keel-dataset"
@@ -156,19 +157,6 @@ def build_corpus(cap: int = CORPUS_CAP_BYTES, progress: bool = False) -> tuple[b
     return b"".join(parts), source
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def build_dataset(root: Path, shards: int, progress: bool = False) -> None:
@@ -189,22 +177,22 @@ def build_dataset(root: Path, shards: int, progress: bool = False) -> None:
         entries = []
         for i in tqdm(range(shards), desc="shards", file=sys.stderr, disable=not progress):
             raw = corpus[i * shard_bytes:(i + 1) * shard_bytes]
-            _write_synced(tmp / shard_name(i), raw)
+            write_synced(tmp / shard_name(i), raw)
             entries.append({"index": i, "file": shard_name(i), "sha256": hashlib.sha256(raw).hexdigest(),
                             "bytes": len(raw), "samples": (len(raw) - 1) // SAMPLES_CONTEXT})
         index = {"format": FORMAT, "format_version": FORMAT_VERSION, "source": source,
                  "shard_bytes": shard_bytes, "samples_context": SAMPLES_CONTEXT,
                  "sample": "context+1 consecutive bytes at a multiple of context in one shard; (bytes-1)//context per shard",
                  "shards": entries}
-        _write_synced(tmp / "index.json", (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
-        _fsync_dir(tmp)
+        write_synced(tmp / "index.json", (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
+        fsync_dir(tmp)
         try:
             os.rename(tmp, root)
         except OSError:
             if not (root / "index.json").exists():
                 raise
             return  # a concurrent builder won; ours goes
-        _fsync_dir(root.parent)
+        fsync_dir(root.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

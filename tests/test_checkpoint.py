@@ -292,13 +292,13 @@ WRITER = textwrap.dedent("""
     args = dict(model=model, optimizer=opt, rng=ck.capture_rng(), data_state={"step": 0}, config_hash="c" * 64,
                 config={}, topology={})
     ck.save_checkpoint(run, step=10, **args)
-    write = ck._write_file
+    write = ck.write_synced
     def slow_write(path, data):  # a disk that stalls after one file: the test kills us there
         write(path, data)
         print("wrote", path.name, flush=True)
         if path.name == stall_after:
             time.sleep(30)
-    ck._write_file = slow_write
+    ck.write_synced = slow_write
     if mode == "async":
         ck.AsyncCheckpointer(run).snapshot_and_submit(20, **args)
         while True:  # training goes on
