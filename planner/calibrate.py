@@ -39,7 +39,8 @@ UNITS = {
     "ckpt_read_gbyte_s": "GB/s", "restart_s": "s",
 }
 OPTIONAL = {"spike_rounds": "rounds",  # the twin takes it where given
-            "detect_rack_s": "s"}  # not read by the twin yet: it detects a rack loss after detect_hang_s
+            "detect_rack_s": "s",
+            "host_pace_per_worker": "1/worker"}  # the twin takes it where given (host sharing)  # the twin takes it where given (else it detects a rack loss like a kill)
 PRIMITIVES = tuple(UNITS)
 
 
@@ -538,6 +539,13 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
     missing = [p for p in PRIMITIVES if p not in primitives]
     counts = sorted(pace)
     slope = fit_affine([float(w) for w in counts], [pace[w] for w in counts]) if len(counts) >= 2 else None
+    if slope is not None and slope[0] + slope[1] * world > 0:
+        # the pace's change per worker relative to the fitted pace of the reference membership
+        rel = max(0.0, slope[1] / (slope[0] + slope[1] * world))
+        primitives["host_pace_per_worker"] = entry(
+            [rel], "1/worker", how="fault-free runs with the first 1..R regions' workers: the affine fit's "
+            "slope over its step time at the reference worker count", workers=counts,
+            step_time_s=[pace[w] for w in counts])
     return {
         "format": "keel-calibration",
         "format_version": 1,

@@ -28,7 +28,8 @@ LOCAL = ROOT / "scenarios" / "local-8.toml"
 # Two regions of two nodes, one hot spare (b/1), no jitter: every figure below is hand-derivable.
 #   step = compute 1.0 + intra-region ring in a (2 phases x 1 ms + 2(2-1)/2 x 1 GB / 10 GB/s)
 #        + inter-region ring (2 phases x 10 ms + 2 x (1 GB / 2) / 1 GB/s) = 2.122 s
-#   the scheduled fault strikes half-way through step 3: 2 x 2.122 + 1.061 = 5.305
+#   the scheduled fault strikes once 2 steps are committed, as step 3 starts: 2 x 2.122 = 4.244
+#   (the runtime fires it at that commit)
 #   recovery: reform 0.1 + the slot's state (6 GB / 3 slots) from b/0 at 10 GB/s = 0.3 s
 #   a sync checkpoint: 6 GB over 3 holders at 1 GB/s = 2.0 s
 TINY = {
@@ -47,22 +48,22 @@ TINY_LOG = [
     (0, 0, "run_start", None, None, None),
     (2.122, 1, "step", None, None, None),
     (4.244, 2, "step", None, None, None),
-    (5.305, 2, "fault", "hardware_fault", "a/1", "replicate_resume"),
-    (8.204664, 2, "detect", "hardware_fault", "a/1", "replicate_resume"),
-    (8.204664, 2, "recover_start", "hardware_fault", "a/1", "replicate_resume"),
-    (8.204664, 2, "reslot", "hardware_fault", "a/1", "replicate_resume"),
-    (8.504664, 2, "recover_end", "hardware_fault", "a/1", "replicate_resume"),
-    (10.626664, 3, "step", None, None, None),
-    (14.870664, 5, "step", None, None, None),
-    (14.870664, 5, "checkpoint_start", None, None, None),
-    (16.870664, 5, "checkpoint_end", None, None, None),
-    (18.992664, 6, "step", None, None, None),
-    (27.480664, 10, "step", None, None, None),
-    (27.480664, 10, "checkpoint_start", None, None, None),
-    (29.480664, 10, "checkpoint_end", None, None, None),
-    (31.602664, 11, "step", None, None, None),
-    (33.724664, 12, "step", None, None, None),
-    (33.724664, 12, "run_end", None, None, None),
+    (4.244, 2, "fault", "hardware_fault", "a/1", "replicate_resume"),
+    (7.143664, 2, "detect", "hardware_fault", "a/1", "replicate_resume"),
+    (7.143664, 2, "recover_start", "hardware_fault", "a/1", "replicate_resume"),
+    (7.143664, 2, "reslot", "hardware_fault", "a/1", "replicate_resume"),
+    (7.443664, 2, "recover_end", "hardware_fault", "a/1", "replicate_resume"),
+    (9.565664, 3, "step", None, None, None),
+    (13.809664, 5, "step", None, None, None),
+    (13.809664, 5, "checkpoint_start", None, None, None),
+    (15.809664, 5, "checkpoint_end", None, None, None),
+    (17.931664, 6, "step", None, None, None),
+    (26.419664, 10, "step", None, None, None),
+    (26.419664, 10, "checkpoint_start", None, None, None),
+    (28.419664, 10, "checkpoint_end", None, None, None),
+    (30.541664, 11, "step", None, None, None),
+    (32.663664, 12, "step", None, None, None),
+    (32.663664, 12, "run_end", None, None, None),
 ]
 
 
@@ -211,10 +212,12 @@ def test_exact_event_log_of_a_small_seeded_scenario():
     s = result.summary
     assert s["step_time_s"] == pytest.approx(2.122)
     (fault,) = s["faults"]
-    assert fault["downtime_s"] == pytest.approx(10.626664 - 5.305)
-    assert fault["cost_s"] == pytest.approx(10.626664 - 4.244 - 2.122)
-    assert s["wall_s"] == pytest.approx(33.724664) and s["restarts"] == 0
-    assert s["goodput"] == pytest.approx(12 * 2.122 / 33.724664)
+    assert fault["downtime_s"] == pytest.approx(9.565664 - 4.244)
+    # struck at the commit of step 2, the fault loses no part of step 3: the cost is detection,
+    # recovery and the redone step 3
+    assert fault["cost_s"] == pytest.approx(9.565664 - 4.244 - 2.122)
+    assert s["wall_s"] == pytest.approx(32.663664) and s["restarts"] == 0
+    assert s["goodput"] == pytest.approx(12 * 2.122 / 32.663664)
     for key, value in {"tool": "twin", "scenario": "tiny", "seed": 3, "nodes": 4, "regions": 2,
                        "policy": "absorb"}.items():
         assert s[key] == value
@@ -285,8 +288,12 @@ def test_network_jitter_reslots_and_moves_back():
     assert episodes(result.events)[0] == ["fault", "detect", "recover_start", "reslot", "reslot", "recover_end"]
     first, back = [e for e in result.events if e.kind == "reslot"]
     assert first.detail["to"] == ["b/1:1"] and back.detail == {"fault_id": 0, "back": True, "to": ["a/0:1"]}
+    # as the runtime: `detect` at the first slow commit (the step in flight, which the spike
+    # caught before a/0's collectives), the move after straggler_window (3) slow steps
     detect = next(e for e in result.events if e.kind == "detect")
-    assert detect.step == 5 + 1 + 3  # the step in flight, then straggler_window slow steps
+    assert detect.step == 5 + 1
+    start = next(e for e in result.events if e.kind == "recover_start")
+    assert start.step == 5 + 3 and first.step == 5 + 3
     fault = next(e for e in result.events if e.kind == "fault")
     assert back.t >= fault.t + 40.0
     assert result.summary["restarts"] == 0

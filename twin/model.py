@@ -9,8 +9,8 @@ straggler-detection points, the end of the run, and every `MAX_SEGMENT_STEPS`.
 
 Semantics (docs/design.md for step numbering and fault ids):
 - A node fault (`hardware_fault`, `partial_cluster_loss`) stalls the whole job: the in-flight
-  step is lost. Detection takes `detect_kill_s` (hardware) or `detect_hang_s` (a rack that
-  vanishes), each drawn as mean + heartbeat_s x (1/2 - U): the timeout runs from the last
+  step is lost. Detection takes `detect_kill_s` (hardware) or `detect_rack_s` (a rack's nodes
+  killed at once; both are deaths the runtime sees as connection loss, twin/params.py), each drawn as mean + heartbeat_s x (1/2 - U): the timeout runs from the last
   heartbeat, which came a uniform phase before the fault (the spread is capped at twice the
   mean, so a calibrated small mean stays non-negative). A fault on an idle node (spare, or a node
   parked by a re-slot) costs nothing and is only logged.
@@ -44,8 +44,8 @@ Semantics (docs/design.md for step numbering and fault ids):
   two policies with one seed see the same arrival times. Hardware faults strike a uniformly
   drawn node at rate nodes / mtbf (thinned: a down node is skipped); jitter a uniformly drawn
   node (skipped when it holds no slots); rack loss a region drawn by node count and nodes
-  drawn among its live ones; NaN a uniformly drawn shard. Scheduled faults strike half-way
-  through step at_step + 1; a scheduled rack loss takes the region's first live nodes.
+  drawn among its live ones; NaN a uniformly drawn shard. Scheduled faults strike when at_step
+  steps are committed, as step at_step + 1 starts (the runtime fires them at that commit); a scheduled rack loss takes the region's first live nodes.
 - Step events: every segment's last commit, and around every other event the last commit
   before it and the first commit after it, so `keel.metrics.summarize` sees every episode's
   edges exactly while fault-free stretches stay sampled.
@@ -69,6 +69,11 @@ from twin.steps import NormalPool, StepShape
 from twin.topology import Topology
 
 MAX_SEGMENT_STEPS = 1000
+# The runtime's straggler rule (docs/runtime.md; the twin does not import it): a worker is slow
+# when its per-slot time to reach the collective exceeds straggler_factor x the median and the
+# median by at least this much (a noise floor), and the first steps of a generation are not judged.
+STRAGGLER_MIN_EXCESS_S = 0.04
+STRAGGLER_WARMUP_STEPS = 2
 # A run that would take longer than this many times its fault-free time is stopped there
 # (faults faster than it can recover, e.g. a restart longer than the cluster's MTBF): its
 # `run_end` says completed = false, and the goodput counts only the steps it committed.
@@ -97,6 +102,8 @@ class Spike:
     target: str
     spike_s: float
     active: bool = True
+    in_flight: bool = False    # it caught the step in flight before the target's gate
+    detected: bool = False
     moves: list[tuple[str, str, int]] = field(default_factory=list)  # (from, to, slots)
     spare_receivers: set[str] = field(default_factory=set)
 
@@ -187,6 +194,8 @@ class Simulation:
         self.committed = 0
         self.segment: Segment | None = None
         self.carry_s: float | None = None
+        self.carry_elapsed_s = 0.0   # how far the interrupted step had got
+        self.gen_start = 0           # committed steps when the current generation started
         self.last_step_event_t = -1.0
         self.pending_first_since: float | None = None
         self.queue: deque[Cause] = deque()
@@ -201,6 +210,7 @@ class Simulation:
         self.nan_pending: list[int] = []
         self.spikes: dict[int, Spike] = {}
         self.watches: dict[int, int] = {}
+        self.detect_at: dict[int, int] = {}
         self.spike_ends: list[int] = []
         self.rejoined = False
         self.quarantined: set[str] = set()
@@ -374,16 +384,26 @@ class Simulation:
                 return name in member_names
         red = self.topology.reduction(per_region)
         ref = self.reference_reduction
-        latency = red.latency_s * (p.reduce_latency_s / ref.latency_s if ref.latency_s > 0 else 1.0)
-        per_byte = red.s_per_byte * ((1.0 / (ref.s_per_byte * 1e9)) / p.reduce_gbyte_s if ref.s_per_byte > 0 else 1.0)
+        hf = self._host_factor(sum(per_region.values()))
+        latency = red.latency_s * (p.reduce_latency_s / ref.latency_s if ref.latency_s > 0 else 1.0) * hf
+        per_byte = red.s_per_byte * ((1.0 / (ref.s_per_byte * 1e9)) / p.reduce_gbyte_s if ref.s_per_byte > 0 else 1.0) * hf
         spike = 0.0
         if with_spikes:
             for sp in self.spikes.values():
                 if sp.active and not sp.moves and ("/" not in sp.target or is_member(sp.target)):
                     spike = max(spike, self._spike_delay(sp, per_region))
-        fixed = latency + self.scenario.workload.gradient_bytes * per_byte + p.step_overhead_s + spike
-        return StepShape(tuple(sorted((n, base) for base, n in groups.items())), p.compute_jitter,
+        fixed = latency + self.scenario.workload.gradient_bytes * per_byte + p.step_overhead_s * hf + spike
+        return StepShape(tuple(sorted((n, base * hf) for base, n in groups.items())), p.compute_jitter,
                          fixed, latency, red.jitter_s)
+
+    def _host_factor(self, holders: int) -> float:
+        """Workers sharing one machine's cores (calibrated `host_pace_per_worker`, 0 for
+        independent nodes): the fault-free step relative to the reference membership's, per
+        worker holding slots more or fewer. A sleep (a spike's delay) is not scaled."""
+        slope = self.params.host_pace_per_worker
+        if slope == 0 or holders <= 0:
+            return 1.0
+        return max(0.05, 1.0 + slope * (holders - self.scenario.training_nodes))
 
     def _expected_s(self, shape: StepShape) -> float:
         key = (shape.groups, shape.fixed_s)
@@ -483,7 +503,8 @@ class Simulation:
             self._update(n, up=False, role=None if n.role == "train" else "down")
             self.env.process(self._repair(n, n.incarnation, repair_h * HOUR))
         if holding:
-            mean = self.params.detect_kill_s if fault == "hardware_fault" else self.params.detect_hang_s
+            # killed nodes: the runtime sees each death as connection loss / process exit
+            mean = self.params.detect_kill_s if fault == "hardware_fault" else self.params.detect_rack_s
             self.env.process(self._detector(fid, self._detect_delay(mean)))
             self.notify(Cause("loss", fid, interrupts_run=True, aborts_pause=True))
 
@@ -573,8 +594,11 @@ class Simulation:
 
     def _spike_end(self, fid: int, after_s: float) -> Generator:
         yield self.env.timeout(after_s)
-        self.spikes[fid].active = False
+        sp = self.spikes[fid]
+        sp.active = False
         self.layout_version += 1
+        if sp.moves:  # parked: back once straggler_window of its heartbeat probes come back good
+            yield self.env.timeout(self._probe_wait_s(sp))
         self.notify(Cause("spike_end", fid, interrupts_run=True))
 
     # ------------------------------------------------------------------ the trainer
@@ -586,6 +610,8 @@ class Simulation:
         while True:
             while self.queue:
                 self._handle(self.queue.popleft())
+            if self.detect_at:
+                self._detect_due()
             if self.env.now > self.wall_limit_s:
                 completed = False
                 break
@@ -624,9 +650,11 @@ class Simulation:
             self.undetected.discard(fid)
             self._detected(fid)
         elif cause.kind == "spike_start":
+            self._catch_in_flight(fid)
             self._watch(fid)
         elif cause.kind == "spike_end":
             self.watches.pop(fid, None)
+            self.detect_at.pop(fid, None)
             self.spike_ends.append(fid)
         elif cause.kind == "nan":
             self.nan_pending.append(fid)
@@ -664,6 +692,7 @@ class Simulation:
 
     def _recover(self) -> Generator:
         done = yield from self._wait(self.recovery_s, "paused")
+        self.gen_start = self.committed  # a new generation
         if done:
             for fid in self.awaiting_recovery:
                 self.emit_episode("recover_end", fid)
@@ -678,6 +707,7 @@ class Simulation:
         self.ckpt_attempted = self.ckpt_step
         self.carry_s = None
         self.watches.clear()
+        self.detect_at.clear()
         if self.writer is not None and self.writer.is_alive:
             self.writer.interrupt("job stopped")
         replaced = False
@@ -693,6 +723,7 @@ class Simulation:
         load_s = self._share_s(self.params.ckpt_read_gbyte_s) if self.ckpt_step > 0 else 0.0
         duration = self.params.restart_s + (self.params.replace_node_s if replaced else 0.0) + load_s
         done = yield from self._wait(duration, "paused")
+        self.gen_start = self.committed
         if done:
             episodes = sorted(set(self.restart_for) | set(self.awaiting_recovery))
             for f in episodes:
@@ -707,18 +738,57 @@ class Simulation:
         return self.state_bytes / holders / (gbyte_s * 1e9)
 
     # ------------------------------------------------------------------ straggler handling
+    def _spiked_holders(self, sp: Spike) -> list[Node]:
+        if "/" in sp.target:
+            n = self.nodes[sp.target]
+            return [n] if n.up and n.role == "train" and n.slots > 0 else []
+        return [n for n in self._active() if n.region == sp.target and n.slots > 0]
+
+    def _catch_in_flight(self, fid: int) -> None:
+        """The runtime's gate delays a spiked worker's next collective at once: a step in flight
+        whose target has not reached its collectives yet (still computing) is late by the delay."""
+        sp = self.spikes[fid]
+        if self.carry_s is None or not sp.active:
+            return
+        holders = self._spiked_holders(sp)
+        if not holders:
+            return
+        hf = self._host_factor(self._holders())
+        compute = max(n.slots * self.params.slot_compute_s / n.speed for n in holders) * hf
+        if self.carry_elapsed_s < compute:
+            self.carry_s += self._spike_delay(sp, self._active_per_region())
+            sp.in_flight = True
+
     def _watch(self, fid: int) -> None:
+        """The runtime's straggler detection: a spiked worker is slow when its per-slot time to
+        reach the collective (its compute + the gate's delay, over its slots) exceeds
+        straggler_factor x the median (a healthy slot's compute) and the median by
+        STRAGGLER_MIN_EXCESS_S; `detect` at the first slow commit, the move after
+        straggler_window slow steps; the first STRAGGLER_WARMUP_STEPS of a generation are not judged."""
         if not self.absorb:
             return
         sp = self.spikes[fid]
-        healthy = self._shape(with_spikes=False)
-        if not healthy.groups:  # nobody computing (the job is down): nothing to watch
+        holders = self._spiked_holders(sp)
+        if not self.groups or not holders:  # nobody computing, or the target holds nothing
             return
         delay = self._spike_delay(sp, self._active_per_region())
-        healthy_s = self._expected_s(healthy)
-        if delay > 0 and (healthy_s + delay) / healthy_s > self.scenario.policy.straggler_factor:
-            in_flight = 1 if self.carry_s is not None else 0
-            self.watches[fid] = self.committed + in_flight + self.scenario.policy.straggler_window
+        med = self.params.slot_compute_s * self._host_factor(self._holders())
+        p = self.scenario.policy
+        excess = max(delay / n.slots for n in holders)
+        if delay <= 0 or excess <= max(STRAGGLER_MIN_EXCESS_S, (p.straggler_factor - 1.0) * med):
+            return
+        first = self.committed + 1 + (1 if self.carry_s is not None and not sp.in_flight else 0)
+        first = max(first, self.gen_start + STRAGGLER_WARMUP_STEPS + 1)
+        self.detect_at[fid] = first
+        self.watches[fid] = first + p.straggler_window - 1
+
+    def _detect_due(self) -> None:
+        for fid in [f for f, at in self.detect_at.items() if at <= self.committed]:
+            del self.detect_at[fid]
+            sp = self.spikes.get(fid)
+            if sp is not None and sp.active and not sp.detected:
+                sp.detected = True
+                self.emit_episode("detect", fid, slow_steps=1)
 
     def _straggler(self, fid: int) -> Generator:
         del self.watches[fid]
@@ -726,7 +796,9 @@ class Simulation:
         if not sp.active:
             return
         p = self.scenario.policy
-        self.emit_episode("detect", fid, slow_steps=p.straggler_window)
+        if not sp.detected:
+            sp.detected = True
+            self.emit_episode("detect", fid, slow_steps=p.straggler_window)
         if "/" in sp.target:
             movers = [self.nodes[sp.target]] if self.nodes[sp.target].up and self.nodes[sp.target].slots > 0 else []
         else:
@@ -755,6 +827,7 @@ class Simulation:
         self.emit_episode("reslot", fid, slots=sum(k for _, _, k in plan), to=[f"{n}:{k}" for n, k in receivers])
         takeover = self.params.spare_takeover_s if spares else 0.0
         yield from self._wait(self.params.reform_s + takeover + self._transfer_s(receivers), "paused")
+        self.gen_start = self.committed
 
     def _plan_moves(self, movers: list[Node], spares: list[Node]) -> list[tuple[str, str, int]]:
         """(from, to, slots) moving the movers' slots to spares one for one, else over the
@@ -802,8 +875,21 @@ class Simulation:
             back += self._place(short, self._active())
         back = [(n, k) for n, k in _merge(back) if k > 0]
         self.emit_episode("reslot", fid, back=True, to=[f"{n}:{k}" for n, k in back])
-        yield from self._wait(self.params.reform_s + self._transfer_s(back), "paused")
+        # a returning straggler is behind: the runtime sends it the whole state, not a slot's share
+        homes = {frm for frm, _, _ in sp.moves}
+        copy = [(n, self.slot_count if n in homes else k) for n, k in back]
+        yield from self._wait(self.params.reform_s + self._transfer_s(copy), "paused")
+        self.gen_start = self.committed
         self.emit_episode("recover_end", fid)
+
+    def _probe_wait_s(self, sp: Spike) -> float:
+        """Mean time from a spike's end to the straggler_window-th good probe: a standing-by
+        straggler probes its path every heartbeat (each probe waits the gate's delay while the
+        spike lasts). The first good probe comes after the probe in progress, if any, and a
+        heartbeat, else after what is left of the heartbeat; then one a heartbeat."""
+        h, d = self.params.heartbeat_s, sp.spike_s
+        first = (d * (d / 2 + h) + h * (h / 2)) / (d + h) if d + h > 0 else 0.0
+        return first + (self.scenario.policy.straggler_window - 1) * h
 
     def _overloaded(self) -> bool:
         """Some node carries more than the healthy layout's heaviest load."""
@@ -829,6 +915,7 @@ class Simulation:
             return
         self.emit("reslot", None, moved[0][0], None, reason="rejoin", to=[f"{n}:{k}" for n, k in moved])
         yield from self._wait(self.params.reform_s + self.params.spare_takeover_s + self._transfer_s(moved), "paused")
+        self.gen_start = self.committed
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_due(self) -> bool:
@@ -872,6 +959,7 @@ class Simulation:
         bounds = [s.run.steps, (c // interval + 1) * interval, c + MAX_SEGMENT_STEPS]
         bounds += [at for at in self.schedule_at if at > c and any(i not in self.schedule_fired for i in self.schedule_at[at])]
         bounds += [at for at in self.watches.values() if at > c]
+        bounds += [at for at in self.detect_at.values() if at > c]
         return max(1, min(bounds) - c)
 
     def _segment(self, count: int) -> Generator:
@@ -887,7 +975,7 @@ class Simulation:
         for index in self.schedule_at.get(self.committed, ()):
             if index not in self.schedule_fired:
                 self.schedule_fired.add(index)
-                self.env.process(self._fire_scheduled(index, 0.5 * float(durations[0])))
+                self.env.process(self._fire_scheduled(index, 0.0))
         done = yield from self._wait(float(cum[-1]), "running")
         if done:
             if nan:
@@ -903,6 +991,7 @@ class Simulation:
             self.committed += k
             if k < count:
                 self.carry_s = seg.start + float(cum[k]) - self.env.now
+                self.carry_elapsed_s = self.env.now - (seg.start + (float(cum[k - 1]) if k > 0 else 0.0))
         self.segment = None
 
     def _nan_step_done(self) -> None:

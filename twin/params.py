@@ -11,9 +11,19 @@ Calibrated primitives (name: what it is; where the scenario value comes from):
   step_overhead_s         fixed per-step cost beyond compute and reduction, s (0)
   reduce_latency_s        latency term of one all-reduce over the full membership, s (topology)
   reduce_gbyte_s          effective all-reduce bandwidth: gradient bytes / bandwidth term, GB/s (topology)
-  detect_kill_s           mean time to detect a killed worker, s (detect_timeout_s - heartbeat_s / 2:
-                          the timeout runs from the last heartbeat, a uniform phase before the death)
-  detect_hang_s           mean time to detect a hung or silently vanished worker, s (same as kill)
+  detect_kill_s           mean time to detect a killed node (`hardware_fault`), s. The runtime sees a
+                          killed worker's death at once, as its control connection's EOF / the
+                          process's exit, so a calibration measures tens of ms. Uncalibrated, the
+                          scenario describes a real cluster, where a crashed machine sends no FIN and
+                          is found by the heartbeat timeout: detect_timeout_s - heartbeat_s / 2 (the
+                          timeout runs from the last heartbeat, a uniform phase before the death)
+  detect_rack_s           mean time to detect a rack loss (`partial_cluster_loss`: several nodes of one
+                          region killed at once), s; the runtime sees it like a kill, per worker, as
+                          connection loss (default: detect_kill_s, calibrated or not)
+  detect_hang_s           mean time to detect a hung node (alive but silent), s: only the heartbeat
+                          timeout finds it (detect_timeout_s - heartbeat_s / 2). No scenario fault class
+                          hangs a node (the runtime's SIGSTOP is a test and calibration injection), so
+                          the model does not read it; kept for the record and for reform_s's derivation
   reform_s                survivors re-form the group (new generation, fresh process group), s
                           (0.1: ARCHITECTURE.md's measured 70-130 ms with gloo)
   state_transfer_gbyte_s  peer-to-peer state copy between two nodes, GB/s (first region's
@@ -23,6 +33,12 @@ Calibrated primitives (name: what it is; where the scenario value comes from):
   ckpt_write_gbyte_s      per-node checkpoint write, GB/s (checkpoint.write_gbyte_s)
   ckpt_read_gbyte_s       per-node checkpoint read, GB/s (checkpoint.read_gbyte_s)
   restart_s               relaunch and rendezvous of the whole job, s (policy.restart_s)
+  host_pace_per_worker    optional: workers that share one machine's cores make each step slower, the
+                          more of them compute: the fault-free step with w workers holding slots is
+                          the modelled step x (1 + host_pace_per_worker x (w - training nodes)).
+                          Measured by `keel calibrate` from fault-free runs at several worker counts
+                          (its `pace` fit's slope over its fitted step at the reference count);
+                          default 0: independent machines, as a real cluster's nodes are
   spike_rounds            optional: latency-bound rounds per step that a latency spike delays
                           (default: the topology's, every ring phase the target is in: 2 (n_r - 1)
                           + 2 (R - 1) for a node; the runtime's gate sleeps once per collective, so
@@ -46,9 +62,9 @@ from twin.topology import Topology
 DEFAULT_REFORM_S = 0.1
 CALIBRATED = (
     "slot_compute_s", "step_overhead_s", "reduce_latency_s", "reduce_gbyte_s", "detect_kill_s",
-    "detect_hang_s", "reform_s", "state_transfer_gbyte_s", "spare_takeover_s",
+    "detect_hang_s", "detect_rack_s", "reform_s", "state_transfer_gbyte_s", "spare_takeover_s",
     "ckpt_snapshot_gbyte_s", "ckpt_write_gbyte_s", "ckpt_read_gbyte_s", "restart_s",
-    "spike_rounds",
+    "spike_rounds", "host_pace_per_worker",
 )
 _RATES = {"reduce_gbyte_s", "state_transfer_gbyte_s", "ckpt_snapshot_gbyte_s",
           "ckpt_write_gbyte_s", "ckpt_read_gbyte_s", "slot_compute_s"}  # must be > 0
@@ -74,6 +90,8 @@ class TwinParams:
     ckpt_read_gbyte_s: float
     restart_s: float
     spike_rounds: float | None = None
+    detect_rack_s: float | None = None  # None: as detect_kill_s
+    host_pace_per_worker: float = 0.0
     # not calibrated: taken from the scenario as they are
     compute_jitter: float = 0.0
     heartbeat_s: float = 1.0
@@ -109,6 +127,8 @@ class TwinParams:
         }
         measured = _medians(calibration, source) if calibration is not None else {}
         values.update(measured)
+        if "detect_rack_s" not in values:
+            values["detect_rack_s"] = values["detect_kill_s"]
         return cls(**values, compute_jitter=scenario.workload.compute_jitter,
                    heartbeat_s=p.heartbeat_s, replace_node_s=p.replace_node_s,
                    calibrated=tuple(sorted(measured)))
