@@ -40,7 +40,8 @@ UNITS = {
 }
 OPTIONAL = {"spike_rounds": "rounds",  # the twin takes it where given
             "detect_rack_s": "s",
-            "host_pace_per_worker": "1/worker"}  # the twin takes it where given (host sharing)  # the twin takes it where given (else it detects a rack loss like a kill)
+            "host_pace_per_worker": "1/worker",
+            "spike_tail_s": "s"}  # the twin takes it where given (host sharing)  # the twin takes it where given (else it detects a rack loss like a kill)
 PRIMITIVES = tuple(UNITS)
 
 
@@ -352,7 +353,7 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
         {"at_step": rack_at, "class": "partial_cluster_loss", "target": rack.name, "nodes": rack.nodes}])
     out: dict[str, list[float]] = {k: [] for k in ("detect_kill_s", "detect_hang_s", "reform_s",
                                                  "spare_takeover_s", "step_time_s", "restart_s",
-                                                 "spike_rounds", "detect_rack_s")}
+                                                 "spike_rounds", "detect_rack_s", "spike_tail_s")}
     for rep in range(reps):
         progress(f"runtime run {rep + 1}/{reps}: {kill_target} killed (the spare takes over), "
                  f"a {spike_s * 1e3:.0f} ms spike on {spike_target}, {hang_target} hung, {rack.name} lost")
@@ -368,6 +369,12 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
                 d = ep["detail"].get("detect", {})
                 if "per_slot_s" in d and "median_per_slot_s" in d:
                     out["spike_rounds"].append(max(0.0, (d["per_slot_s"] - d["median_per_slot_s"]) / spike_s))
+                    # the slow step's interval beyond the straggler's time to its collective
+                    slow = next((e for e in events if e.kind == "detect" and e.detail.get("fault_id") == fid), None)
+                    commits = {e.step: e.t for e in events if e.kind == "step"}
+                    if slow is not None and slow.step in commits and slow.step - 1 in commits:
+                        interval = commits[slow.step] - commits[slow.step - 1]
+                        out["spike_tail_s"].append(max(0.0, interval - d["per_slot_s"]))  # it holds one slot
                 continue
             if not {"fault", "detect", "recover_end"} <= set(t):
                 continue
@@ -525,6 +532,10 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
     if rec["detect_rack_s"]:
         primitives["detect_rack_s"] = entry(rec["detect_rack_s"], "s",
                                             how="detect - fault of a rack loss (its workers SIGKILLed at once), runtime runs")
+    if rec["spike_tail_s"]:
+        primitives["spike_tail_s"] = entry(rec["spike_tail_s"], "s",
+                                           how="a spiked worker's first slow step: commit interval - its reported "
+                                               "time to the collective (compute + the gate's delay), runtime runs")
     if rec["spike_rounds"]:
         primitives["spike_rounds"] = entry(rec["spike_rounds"], "rounds",
                                            how="a spiked worker's excess time per step over the median, / spike, "

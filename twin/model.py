@@ -387,14 +387,34 @@ class Simulation:
         hf = self._host_factor(sum(per_region.values()))
         latency = red.latency_s * (p.reduce_latency_s / ref.latency_s if ref.latency_s > 0 else 1.0) * hf
         per_byte = red.s_per_byte * ((1.0 / (ref.s_per_byte * 1e9)) / p.reduce_gbyte_s if ref.s_per_byte > 0 else 1.0) * hf
-        spike = 0.0
+        spike = floor = 0.0
         if with_spikes:
             for sp in self.spikes.values():
                 if sp.active and not sp.moves and ("/" not in sp.target or is_member(sp.target)):
-                    spike = max(spike, self._spike_delay(sp, per_region))
+                    delay = self._spike_delay(sp, per_region)
+                    if p.spike_tail_s is None:  # uncalibrated: the delay adds to the whole step
+                        spike = max(spike, delay)
+                    else:  # the others' work overlaps the target's wait (see _spiked_step_s)
+                        floor = max(floor, self._spiked_step_s(sp, delay, hf, nodes, slots))
         fixed = latency + self.scenario.workload.gradient_bytes * per_byte + p.step_overhead_s * hf + spike
         return StepShape(tuple(sorted((n, base * hf) for base, n in groups.items())), p.compute_jitter,
-                         fixed, latency, red.jitter_s)
+                         fixed, latency, red.jitter_s, floor)
+
+    def _spiked_step_s(self, sp: Spike, delay: float, hf: float, nodes: list[Node] | None = None,
+                       slots: dict[str, int] | None = None) -> float:
+        """With a calibrated `spike_tail_s`: a spiked step lasts at least the target's compute,
+        then the gate's delay, then the collective once everyone has reached it (the others
+        compute and wait meanwhile, so their part of the step hides under the delay)."""
+        if nodes is None:
+            holders = [(n, n.slots) for n in self._spiked_holders(sp)]
+        else:
+            assert slots is not None
+            holders = [(n, slots[n.name]) for n in nodes if slots[n.name] > 0
+                       and (n.name == sp.target or ("/" not in sp.target and n.region == sp.target))]
+        if not holders:
+            return 0.0
+        compute = max(k * self.params.slot_compute_s / n.speed for n, k in holders) * hf
+        return compute + delay + self.params.spike_tail_s
 
     def _host_factor(self, holders: int) -> float:
         """Workers sharing one machine's cores (calibrated `host_pace_per_worker`, 0 for
@@ -406,7 +426,7 @@ class Simulation:
         return max(0.05, 1.0 + slope * (holders - self.scenario.training_nodes))
 
     def _expected_s(self, shape: StepShape) -> float:
-        key = (shape.groups, shape.fixed_s)
+        key = (shape.groups, shape.fixed_s, shape.floor_s)
         if key not in self._expected_cache:
             self._expected_cache[key] = shape.expected_s()
         return self._expected_cache[key]
@@ -756,7 +776,11 @@ class Simulation:
         hf = self._host_factor(self._holders())
         compute = max(n.slots * self.params.slot_compute_s / n.speed for n in holders) * hf
         if self.carry_elapsed_s < compute:
-            self.carry_s += self._spike_delay(sp, self._active_per_region())
+            delay = self._spike_delay(sp, self._active_per_region())
+            if self.params.spike_tail_s is None:
+                self.carry_s += delay
+            else:
+                self.carry_s = max(self.carry_s, compute + delay + self.params.spike_tail_s - self.carry_elapsed_s)
             sp.in_flight = True
 
     def _watch(self, fid: int) -> None:

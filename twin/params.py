@@ -39,6 +39,13 @@ Calibrated primitives (name: what it is; where the scenario value comes from):
                           Measured by `keel calibrate` from fault-free runs at several worker counts
                           (its `pace` fit's slope over its fitted step at the reference count);
                           default 0: independent machines, as a real cluster's nodes are
+  spike_tail_s            optional: a spiked step's collective and commit once the delayed worker has
+                          reached it, s. The runtime's gate delays the target before its
+                          collectives, while the others compute and then wait for it, so a spiked
+                          step lasts max(fault-free step, target's compute + delay + spike_tail_s):
+                          the others' part hides under the delay. Measured by `keel calibrate` as
+                          a spiked step's interval minus the target's reported time to its
+                          collective. Default: none, the delay adds to the whole step
   spike_rounds            optional: latency-bound rounds per step that a latency spike delays
                           (default: the topology's, every ring phase the target is in: 2 (n_r - 1)
                           + 2 (R - 1) for a node; the runtime's gate sleeps once per collective, so
@@ -64,7 +71,7 @@ CALIBRATED = (
     "slot_compute_s", "step_overhead_s", "reduce_latency_s", "reduce_gbyte_s", "detect_kill_s",
     "detect_hang_s", "detect_rack_s", "reform_s", "state_transfer_gbyte_s", "spare_takeover_s",
     "ckpt_snapshot_gbyte_s", "ckpt_write_gbyte_s", "ckpt_read_gbyte_s", "restart_s",
-    "spike_rounds", "host_pace_per_worker",
+    "spike_rounds", "spike_tail_s", "host_pace_per_worker",
 )
 _RATES = {"reduce_gbyte_s", "state_transfer_gbyte_s", "ckpt_snapshot_gbyte_s",
           "ckpt_write_gbyte_s", "ckpt_read_gbyte_s", "slot_compute_s"}  # must be > 0
@@ -92,6 +99,7 @@ class TwinParams:
     spike_rounds: float | None = None
     detect_rack_s: float | None = None  # None: as detect_kill_s
     host_pace_per_worker: float = 0.0
+    spike_tail_s: float | None = None
     # not calibrated: taken from the scenario as they are
     compute_jitter: float = 0.0
     heartbeat_s: float = 1.0
