@@ -131,6 +131,16 @@ class WorkerState:
     ok_probes: int = 0
     per_slot_s: float | None = None  # smoothed measured seconds per slot
     done_sha: str | None = None
+    last_msg: dict | None = None  # the last message other than a heartbeat (for stall reports)
+    last_msg_t: float = 0.0
+    last_hb_t: float = 0.0
+    at: str | None = None  # where the worker says it is (sent with each heartbeat)
+    ready_gen: int = -1
+
+
+def _brief(msg: dict) -> str:
+    keys = ("gen", "step", "committed", "error")
+    return msg.get("type", "?") + "".join(f" {k}={msg[k]}" for k in keys if k in msg)
 
 
 @dataclass
@@ -238,8 +248,12 @@ class Coordinator:
         return time.monotonic() - self.t0
 
     def emit(self, kind: str, *, fault: str | None = None, target: str | None = None,
-             action: str | None = None, t: float | None = None, **detail: Any) -> Event:
-        e = Event(t=round(max(0.0, self.now() if t is None else t), 6), step=self.committed, kind=kind,
+             action: str | None = None, t: float | None = None, step: int | None = None,
+             **detail: Any) -> Event:
+        """`step` defaults to the steps committed now (design.md); checkpoint events carry
+        the checkpoint's step instead (the writer reports it before the commit can land)."""
+        e = Event(t=round(max(0.0, self.now() if t is None else t), 6),
+                  step=self.committed if step is None else step, kind=kind,
                   fault=fault, target=target, action=action, detail=detail)
         self.log.emit(e)
         self.last_event_was_commit = kind == "step"
@@ -420,15 +434,60 @@ class Coordinator:
             elif now > self.abort_deadline:
                 for n in sorted(self.pending_acks):
                     self._lost(self.workers[n], "did not leave the aborted generation in time")
-        stall = max(60.0, 20 * self.policy.detect_timeout_s)
+        stall = max(self.STALL_MIN_S, 20 * self.policy.detect_timeout_s)
         if self.phase in ("running", "aborting", "finishing") and now - self.last_progress > stall:
-            self.failure = f"no progress for {stall:.0f} s (phase {self.phase}, generation {self.gen})"
+            self.failure = self._stall_report(stall)
+
+    STALL_MIN_S = 60.0
+
+    def _stall_report(self, stall: float) -> str:
+        """What each worker last said, so a stall explains itself: its role, committed step,
+        whether it got through the current generation's set-up (`ready`), its last message
+        other than a heartbeat, and where its own heartbeat says it is. Local workers also
+        dump every thread's stack into their logs (SIGUSR1, faulthandler)."""
+        now = time.monotonic()
+        lines = [f"no progress for {stall:.0f} s (phase {self.phase}, generation {self.gen}, "
+                 f"committed {self.committed}, start step {self.gen_start_step}); workers:"]
+        nxt = self.reports.get(self.committed + 1, {})
+        for n in self.nodes:
+            w = self.workers.get(n)
+            if w is None:
+                lines.append(f"  {n}: never started")
+                continue
+            rank = self.members.index(n) if n in self.members else None
+            parts = [f"  {n}: {w.role}" + (f" rank {rank}" if rank is not None else ""),
+                     "alive" if w.alive else "dead", f"committed {w.committed}"]
+            if rank is not None:
+                parts.append("ready" if w.ready_gen >= self.gen else "NOT ready (group/state set-up)")
+                parts.append(f"reported step {self.committed + 1}" if n in nxt else f"no report of step {self.committed + 1}")
+            if n in self.pending_acks:
+                parts.append("abort not acknowledged")
+            if w.last_msg is not None:
+                parts.append(f"last message '{_brief(w.last_msg)}' {now - w.last_msg_t:.1f} s ago")
+            if w.last_hb_t:
+                parts.append(f"heartbeat {now - w.last_hb_t:.1f} s ago")
+            if w.at:
+                parts.append(f"at: {w.at}")
+            lines.append(", ".join(parts))
+        dumped = []
+        for w in self.workers.values():
+            if w.alive and w.joined and w.proc is not None and w.proc.poll() is None:
+                if signal_pid(w.proc.pid, signal.SIGUSR1):
+                    dumped.append(w.node)
+        if dumped:
+            lines.append(f"  thread stacks of {len(dumped)} local workers dumped to {self.out / 'logs'}/<node>.log")
+        return "\n".join(lines)
 
     # ------------------------------------------------------------------------- messages
 
     def _on_message(self, w: WorkerState, msg: dict) -> None:
         w.last_seen = time.monotonic()
         kind = msg.get("type")
+        if kind == "hb":
+            w.last_hb_t = w.last_seen
+            w.at = msg.get("at", w.at)
+        else:
+            w.last_msg, w.last_msg_t = msg, w.last_seen
         if kind == "hb":
             if w.parked is not None and "probe_s" in msg:
                 self._probe(w, float(msg["probe_s"]))
@@ -446,6 +505,7 @@ class Coordinator:
             t["pg_s"] = max(t.get("pg_s", 0.0), float(msg["pg_s"]))
             t["state_s"] = max(t.get("state_s", 0.0), float(msg["state_s"]))
             t["ready"] = time.monotonic()
+            w.ready_gen = max(w.ready_gen, int(msg["gen"]))
         elif kind == "nonfinite":
             if int(msg["gen"]) == self.gen and self.phase == "running":
                 self.nonfinite.setdefault(int(msg["step"]), {})[w.node] = list(msg["suspects"])
@@ -455,14 +515,19 @@ class Coordinator:
             if int(msg["gen"]) == self.gen:
                 self.pending_acks.discard(w.node)
         elif kind == "ckpt_start":
-            self.emit("checkpoint_start", mode=msg.get("mode"), ckpt_step=int(msg["step"]), node=w.node)
+            # the lowest rank reports its checkpoint right after its own step report, often before
+            # the others' reports let the coordinator commit that step: the event carries the
+            # checkpoint's step, never committed - 1
+            k = int(msg["step"])
+            self.emit("checkpoint_start", step=k, mode=msg.get("mode"), ckpt_step=k, node=w.node)
         elif kind == "ckpt_end":
             entry = {"step": int(msg["step"]), "path": msg.get("path"), "stall_s": msg.get("stall_s"),
                      "write_s": msg.get("write_s"), "node": w.node}
             if msg.get("error"):
                 entry["error"] = msg["error"]
             self.checkpoints.append(entry)
-            self.emit("checkpoint_end", ckpt_step=entry["step"], stall_s=entry["stall_s"],
+            self.emit("checkpoint_end", step=max(self.committed, entry["step"]), ckpt_step=entry["step"],
+                      stall_s=entry["stall_s"],
                       write_s=entry["write_s"], path=entry["path"], node=w.node,
                       **({"error": entry["error"]} if "error" in entry else {}))
         elif kind == "done":

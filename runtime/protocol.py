@@ -1,8 +1,8 @@
 """The control channel between the coordinator and a worker: one TCP connection per worker
 carrying JSON lines, one message a line, each an object with a "type".
 
-Worker -> coordinator: hello, hb (heartbeat, with a probe of its communication path while it
-stands by), ready (joined a generation), step (committed a step: loss and timings), nonfinite,
+Worker -> coordinator: hello, hb (heartbeat: where the worker is, `at`, for stall reports;
+with a probe of its communication path while it stands by), ready (joined a generation), step (committed a step: loss and timings), nonfinite,
 aborted (left a generation, with its committed step), ckpt_start, ckpt_end, done, error.
 Coordinator -> worker: welcome (node name, resolved scenario, store address), gen (a
 generation: rank, members, slot map, start step, state source), standby, abort, quarantine,

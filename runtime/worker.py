@@ -114,6 +114,7 @@ class Worker:
         self.standby = True
         self.checkpointer = None
         self._stalls: dict[int, float] = {}
+        self.at = "joined, idle"  # where this worker is, sent with every heartbeat (stall reports)
         threading.Thread(target=self._reader, daemon=True, name="reader").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         self.chan.send({"type": "joined", "committed": self.committed})
@@ -145,7 +146,7 @@ class Worker:
     def _heartbeat(self) -> None:
         period = self.scenario.policy.heartbeat_s
         while True:
-            msg: dict[str, Any] = {"type": "hb"}
+            msg: dict[str, Any] = {"type": "hb", "at": self.at}
             if self.standby:
                 msg["probe_s"] = self.gate.pass_through()
             if not self.chan.send(msg):
@@ -167,6 +168,7 @@ class Worker:
                 self.run_generation(msg)
             elif kind == "standby":
                 self.standby = True
+                self.at = f"standing by (gen {msg.get('gen')})"
             elif kind == "stop":
                 self._finish_checkpoint()
                 self.chan.send({"type": "bye"})
@@ -183,8 +185,9 @@ class Worker:
             self.chan.send({"type": "aborted", "gen": g, "committed": self.committed})
             self.acked_gen = g
             return
-        if self.abort_gen < g:
-            self.abort_event.clear()
+        self.abort_event.clear()  # then re-check: an abort of g may have landed in between
+        if self.abort_gen >= g:
+            self.abort_event.set()
         self.gen = g
         self.standby = False
         self.quarantine = frozenset(msg.get("quarantine", ()))
@@ -195,9 +198,11 @@ class Worker:
         should_abort = lambda: self.abort_gen >= g  # noqa: E731
         t0 = time.perf_counter()
         try:
+            self.at = f"gen {g} rank {rank}/{world}: forming the group"
             pg = self._make_group(g, rank, world)
             t_pg = time.perf_counter() - t0
             if msg.get("load") and rank == msg["source"]:
+                self.at = f"gen {g}: loading {msg['load']}"
                 self._load_checkpoint(msg["load"])
             t1 = time.perf_counter()
             if msg.get("behind"):
@@ -208,10 +213,12 @@ class Worker:
             self.rank = rank
             self._train(pg, g, should_abort)
         except Aborted:
+            self.at = f"gen {g}: aborted at step {self.committed}"
             self.chan.send({"type": "aborted", "gen": g, "committed": self.committed})
             self.acked_gen = g
             return
         except CollectiveError as e:  # a collective failed (a peer died): wait for the abort
+            self.at = f"gen {g}: a collective failed at step {self.committed}, waiting for the abort"
             deadline = time.monotonic() + PG_TIMEOUT.total_seconds()
             while not should_abort() and time.monotonic() < deadline:
                 self.abort_event.wait(0.01)
@@ -286,12 +293,16 @@ class Worker:
         party = [source] + sorted(r for r in behind if r != source)
         if rank not in party:
             return
+        who = "sending" if rank == source else "receiving"
+        self.at = f"gen {g}: state broadcast, {who}, party {party}: forming its group"
         pg = self._make_group(g, party.index(rank), len(party), prefix=f"gen{g}/state/")
         has_opt = torch.tensor([float(bool(self.optimizer.state))], device=self.device)
+        self.at = f"gen {g}: state broadcast, {who}, party {party}: optimizer flag"
         broadcast(pg, has_opt, 0, should_abort, self.waiter)
         has_opt = has_opt.cpu()
         tensors = self._state_tensors(bool(has_opt.item()))
         flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]).to(self.device)
+        self.at = f"gen {g}: state broadcast, {who}, party {party}: {flat.numel()} values"
         broadcast(pg, flat, 0, should_abort, self.waiter)
         if rank == source:
             return
@@ -322,6 +333,7 @@ class Worker:
             if should_abort():
                 raise Aborted()
             t0 = time.perf_counter()
+            self.at = f"gen {g} step {step + 1}: computing {len(self.slots)} slot(s)"
             poisoned = poisoned_at(self.poison, step)
             vectors, batches = [], []
             for slot in self.slots:
@@ -341,6 +353,7 @@ class Worker:
                 gate_s[0] = self.gate.pass_through(self.abort_event)
                 if should_abort():
                     raise Aborted()
+                self.at = f"gen {g} step {step + 1}: in the reduction"
             mean = self.reducer.reduce(pg, vectors, should_abort, before_comm, bounds=self._bounds())
             t_ready = t_compute + gate_s[0]
             if mean is None:  # some slot somewhere is non-finite: which of my samples were?
@@ -361,9 +374,13 @@ class Worker:
                             "ready_s": t_ready, "compute_s": t_compute, "total_s": t_total,
                             "rounds": self.reducer.last_rounds,
                             "slots": len(self.slots)})
+            self.at = f"gen {g}: step {self.committed} done"
             if self.rank == 0 and self.committed % self.scenario.checkpoint.interval_steps == 0:
+                self.at = f"gen {g}: checkpoint of step {self.committed}"
                 self._checkpoint(g)
+        self.at = f"gen {g}: finishing the last checkpoint"
         self._finish_checkpoint()
+        self.at = f"gen {g}: done at step {self.committed}"
         from runtime.model import weights_sha256
         self.chan.send({"type": "done", "gen": g, "committed": self.committed,
                         "sha256": weights_sha256(self.model)})
@@ -388,6 +405,7 @@ class Worker:
     def _nonfinite(self, g: int, step: int, suspects: list[int], should_abort) -> None:
         """No non-finite value reaches the weights: report, wait for the coordinator's
         quarantine decision, then the caller redoes the step."""
+        self.at = f"gen {g} step {step + 1}: non-finite, waiting for the quarantine decision"
         self.chan.send({"type": "nonfinite", "gen": g, "step": step, "suspects": suspects})
         deferred = []
         try:
