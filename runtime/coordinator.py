@@ -476,7 +476,12 @@ class Coordinator:
                     dumped.append(w.node)
         if dumped:
             lines.append(f"  thread stacks of {len(dumped)} local workers dumped to {self.out / 'logs'}/<node>.log")
-        return "\n".join(lines)
+        report = "\n".join(lines)
+        try:  # next to events.jsonl, for whoever finds the run's directory later
+            (self.out / "stall.txt").write_text(report + "\n")
+        except OSError:
+            pass
+        return report
 
     # ------------------------------------------------------------------------- messages
 

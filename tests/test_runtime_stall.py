@@ -45,5 +45,6 @@ def test_stall_report_names_what_each_member_last_said(tmp_path):
         assert "reported step 5" in lines["b/0"] and "ready," in lines["b/0"]
         assert "last message 'ready gen=1' 59." in lines["b/1"]
         assert "dead" in lines["a/1"]
+        assert (tmp_path / "out" / "stall.txt").read_text().strip() == msg
     finally:
         coord._shutdown()
