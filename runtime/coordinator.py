@@ -596,9 +596,16 @@ class Coordinator:
                 w.role = "standby"
                 if w.chan is not None:
                     w.chan.send({"type": "standby", "gen": self.gen})
-        self.phase = "running"
         self.gen_start_step = start
         self.last_progress = time.monotonic()
+        if start >= self.total:
+            # a generation formed after the last step (a straggler moving back, a loss at the
+            # very end): its members only sync state and report done; nothing is left to run
+            self._end_due_episodes(None)
+            self.phase = "finishing"
+            self._check_finished()
+            return
+        self.phase = "running"
         self._fire_due(after_announce=True)
 
     def _abort(self) -> None:
@@ -746,11 +753,8 @@ class Coordinator:
     def _commit(self, k: int, loss: float, reps: dict[str, dict], check: bool = True) -> None:
         now = time.monotonic()
         pace_ok = self.last_event_was_commit and self.last_commit_t is not None
-        for ep in self.episodes.values():  # recover_end just before the commit that ends the episode
-            if ep.recovering and not ep.ended and ((ep.end_gen is not None and self.gen >= ep.end_gen and not ep.parked)
-                                                   or (ep.end_step is not None and k >= ep.end_step)):
-                self._end_episode(ep)
-                pace_ok = False
+        if self._end_due_episodes(k):  # recover_end just before the commit that ends the episode
+            pace_ok = False
         self.committed = k
         self.losses[k] = loss
         self.emit("step", loss=loss, gen=self.gen)
@@ -766,6 +770,16 @@ class Coordinator:
             self._check_finished()
             return
         self._fire_due(after_announce=False)
+
+    def _end_due_episodes(self, k: int | None) -> bool:
+        """End every episode whose recovery is complete at this generation (or at step k)."""
+        ended = False
+        for ep in self.episodes.values():
+            if ep.recovering and not ep.ended and ((ep.end_gen is not None and self.gen >= ep.end_gen and not ep.parked)
+                                                   or (k is not None and ep.end_step is not None and k >= ep.end_step)):
+                self._end_episode(ep)
+                ended = True
+        return ended
 
     def _end_episode(self, ep: Episode) -> None:
         ep.ended = True

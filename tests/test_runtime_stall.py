@@ -48,3 +48,38 @@ def test_stall_report_names_what_each_member_last_said(tmp_path):
         assert (tmp_path / "out" / "stall.txt").read_text().strip() == msg
     finally:
         coord._shutdown()
+
+
+class _Recorder:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+
+def test_a_generation_formed_after_the_last_step_finishes_the_run(tmp_path):
+    """Seen in validate: a straggler's slots moved back just as the last step was committed;
+    the generation formed at start step == run.steps had nothing to run, its members reported
+    done, and the coordinator waited for a step that never comes (60 s stall)."""
+    from runtime.coordinator import Coordinator, WorkerState
+    coord = Coordinator(scenario(steps=14), tmp_path / "out", progress=False, spawn=False)
+    try:
+        now = time.monotonic()
+        coord.t0 = now
+        coord.bar = None
+        coord.gen, coord.committed = 2, 14
+        coord.slot_map = {"a/0": [0, 1], "b/0": [2], "b/1": [3]}
+        for n in coord.nodes:
+            w = coord.workers[n] = WorkerState(node=n, joined=True, last_seen=now, last_hb_t=now)
+            w.chan = _Recorder()
+            w.committed = 14
+        coord._announce(load=None, start=14)
+        assert coord.phase == "finishing"
+        for n in ("a/0", "b/0", "b/1"):
+            coord._on_message(coord.workers[n], {"type": "done", "sha256": "f" * 64, "committed": 14, "gen": 3})
+        assert coord.phase == "finished" and coord.final_sha == "f" * 64 and coord.failure is None
+    finally:
+        for w in coord.workers.values():
+            w.chan = None  # recorders, not sockets
+        coord._shutdown()
