@@ -43,6 +43,11 @@ def cli(args: Any) -> int:
             print(f"(skipped: {module} is not part of this checkout yet)")
             continue
         code = keel_main(argv)
+        if code == 1 and argv[0] == "validate":
+            # validate's exit 1 is its verdict (outside the declared tolerances), shown above:
+            # the demo has done its job by measuring it
+            print("(validation outside its declared tolerances: see the table above)")
+            continue
         if code:
             return code
     print(f"\nEverything is under {out}/; `keel report {out / 'validate'}` renders it as HTML, "
