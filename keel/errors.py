@@ -7,3 +7,13 @@ class InputError(ValueError):
 
 class RunFailed(RuntimeError):
     """The work itself failed (exit code 1), for example a run that could not absorb a fault."""
+
+
+def read_input(path, what: str, error: type[InputError] = InputError) -> str:
+    """The text of an input file; a missing or unreadable one is `error`, naming the file."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what} file") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read the {what} file ({e.strerror})") from None

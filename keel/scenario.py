@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from keel.errors import InputError
+from keel.errors import InputError, read_input
 
 FAULT_CLASSES = ("hardware_fault", "network_jitter", "partial_cluster_loss", "data_shard_skew")
 # The recovery action each fault class gets under the `absorb` policy (ARCHITECTURE.md's table).
@@ -553,13 +553,7 @@ def from_dict(raw: dict, source: str = "<scenario>", overrides: typing.Sequence[
 
 def load(path: str | Path, overrides: typing.Sequence[str] = ()) -> Scenario:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ScenarioError(f"{path}: no such scenario file") from None
-    except OSError as e:
-        raise ScenarioError(f"{path}: cannot read the scenario file ({e.strerror})") from None
-    return loads(text, str(path), overrides)
+    return loads(read_input(path, "scenario", ScenarioError), str(path), overrides)
 
 
 def loads(text: str, source: str = "<scenario>", overrides: typing.Sequence[str] = ()) -> Scenario:

@@ -54,32 +54,36 @@ class Channel:
                 self.closed = True
                 return False
 
-    def recv_ready(self) -> list[dict[str, Any]] | None:
-        """Messages from one recv(); None at EOF or on a broken connection."""
+    def _fill(self) -> bool | None:
+        """One recv() into the buffer: True if bytes came, None if none were waiting (a
+        non-blocking socket), False at EOF or on a broken connection."""
         try:
             chunk = self.sock.recv(1 << 16)
         except (BlockingIOError, InterruptedError):
-            return []
+            return None
         except OSError:
             chunk = b""
         if not chunk:
             self.closed = True
-            return None
+            return False
         self._buf += chunk
+        return True
+
+    def recv_ready(self) -> list[dict[str, Any]] | None:
+        """Messages from one recv(); None at EOF or on a broken connection."""
+        got = self._fill()
+        if got is False:
+            return None
+        if got is None:
+            return []
         *lines, self._buf = self._buf.split(b"\n")
         return [json.loads(line) for line in lines if line.strip()]
 
     def recv(self) -> dict[str, Any] | None:
         """The next message, blocking; None at EOF."""
         while b"\n" not in self._buf:
-            try:
-                chunk = self.sock.recv(1 << 16)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                self.closed = True
+            if self._fill() is False:
                 return None
-            self._buf += chunk
         line, _, self._buf = self._buf.partition(b"\n")
         return json.loads(line) if line.strip() else self.recv()
 

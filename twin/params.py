@@ -62,7 +62,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from keel.errors import InputError
+from keel.errors import InputError, read_input
 from keel.scenario import Scenario
 from twin.topology import Topology
 
@@ -172,12 +172,7 @@ def _medians(calibration: Any, source: str) -> dict[str, float]:
 def load_calibration(path: str | Path) -> dict:
     """Read a calibration.json; any problem is a CalibrationError naming the file."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise CalibrationError(f"{path}: no such calibration file") from None
-    except OSError as e:
-        raise CalibrationError(f"{path}: cannot read the calibration file ({e.strerror})") from None
+    text = read_input(path, "calibration", CalibrationError)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
