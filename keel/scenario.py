@@ -30,6 +30,17 @@ ABSORB_ACTION = {
     "data_shard_skew": "quarantine_resample",
 }
 RESTART_ACTION = "checkpoint_restart"
+SPIKE_SPREAD = 0.25  # a latency spike's delay varies by +-this fraction of spike_ms from step to step
+
+
+def spike_factor(seed: int, node: str, step: int | str) -> float:
+    """A spiked node's delay at one pass of its communication path, as a multiple of
+    `spike_ms`: uniform in [1 - SPIKE_SPREAD, 1 + SPIKE_SPREAD] and a pure function of
+    (run seed, node, step index), so the runtime (which sleeps it before the collectives of
+    0-based step `step`) and the twin (which predicts that step) see the same draw, and a
+    repeated run the same delays."""
+    digest = hashlib.blake2b(f"{seed}/{node}/{step}".encode(), digest_size=8).digest()
+    return 1.0 - SPIKE_SPREAD + 2.0 * SPIKE_SPREAD * int.from_bytes(digest, "big") / 2.0 ** 64
 
 
 class ScenarioError(InputError):

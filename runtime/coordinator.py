@@ -38,7 +38,7 @@ from keel.errors import InputError, RunFailed
 from keel.events import Event, EventLog
 from keel.scenario import ABSORB_ACTION, RESTART_ACTION, Scenario
 
-from runtime.inject import Planned, planned_faults, poison_schedule, signal_pid
+from runtime.inject import Planned, jitter_schedule, planned_faults, poison_schedule, signal_pid
 from runtime.protocol import Channel, parse_address
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -584,7 +584,8 @@ class Coordinator:
         self.nonfinite = {}
         base = {"type": "gen", "gen": self.gen, "world": len(self.members), "members": self.members,
                 "slot_map": self.slot_map, "start_step": start, "source": source, "behind": behind,
-                "load": load, "quarantine": sorted(self.quarantine), "poison": self.poison}
+                "load": load, "quarantine": sorted(self.quarantine), "poison": self.poison,
+                "jitter": jitter_schedule(self.planned, start)}
         self.gen_t.setdefault(self.gen, {})["announced"] = time.monotonic()
         for rank, m in enumerate(self.members):
             w = self.workers[m]
@@ -838,7 +839,7 @@ class Coordinator:
             ep = self._new_episode(p.cls, p.target, nodes=targets, **p.params)
             ep.nodes = targets
             for n in targets:
-                self.workers[n].chan.send({"type": "jitter", **p.params})
+                self.workers[n].chan.send({"type": "jitter", "index": p.index, **p.params})
             return False
         if p.cls == "partial_cluster_loss":
             live = [n for n in self.nodes if self.region_of[n] == p.target and self.workers.get(n) and self.workers[n].alive]

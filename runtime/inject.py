@@ -4,7 +4,9 @@
   it spawned; a worker it did not spawn is told to SIGKILL itself).
 - `partial_cluster_loss`: SIGKILL of `nodes` live workers of one region, in one loop.
 - `network_jitter`: the target's communication path (`CommGate`, passed before each of its
-  collectives) sleeps `spike_ms` +-25 % for `duration_s`.
+  collectives) sleeps `spike_ms` +-25 % (`keel.scenario.spike_factor`) for `duration_s`,
+  from its first pass of step `at_step + 1` on (the schedule is part of every generation's
+  description, as the poison is).
 - `data_shard_skew`: the target shard yields NaN weights from step `at_step + 1` (0-based
   index `at_step`) on: the loader is given it as `poisoned`. The poison is data, so it is part of
   every generation's description (a property of the shard, not a message racing the step).
@@ -14,14 +16,13 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from keel.scenario import Scenario
+from keel.scenario import Scenario, spike_factor
 
 HANG_ENV = "KEEL_INJECT_HANG"
 
@@ -67,6 +68,13 @@ def poison_schedule(planned: list[Planned]) -> list[list[int]]:
     return [[p.params["shard"], p.at_step] for p in planned if p.mode == "poison"]
 
 
+def jitter_schedule(planned: list[Planned], from_step: int = 0) -> list[list]:
+    """[[index, target, from_step (0-based index of the first spiked step), spike_ms,
+    duration_s], ...] for the scheduled spikes a run starting at `from_step` still has."""
+    return [[p.index, p.target, p.at_step, p.params["spike_ms"], p.params["duration_s"]]
+            for p in planned if p.mode == "jitter" and p.at_step >= from_step]
+
+
 def poisoned_at(schedule: list[list[int]], step: int) -> frozenset[int]:
     return frozenset(shard for shard, start in schedule if step >= start)
 
@@ -81,29 +89,61 @@ def signal_pid(pid: int, sig: int) -> bool:
 
 class CommGate:
     """The worker's communication path: the injected delay, if any, is taken here, before each
-    step's collectives. The wait is interruptible (an abort cuts it short)."""
+    step's collectives. The wait is interruptible (an abort cuts it short).
 
-    def __init__(self, seed: int):
-        self._rng = random.Random(seed)
+    A scheduled spike starts at the step boundary, like a poisoned shard: each generation
+    hands the gate the schedule (`expect`), and the first pass of step `at_step` (0-based)
+    or later starts it, so it always catches the step after the commit of `at_step`, as the
+    twin models it, never racing the coordinator's message. The message (`start`) still comes,
+    for a worker that is not computing then (a spare, a parked straggler) or joined from
+    elsewhere; a spike is started once, by whichever comes first. The delay of each pass is
+    `spike_ms x keel.scenario.spike_factor(seed, node, step)` (probes count on their own)."""
+
+    def __init__(self, seed: int, node: str):
+        self.seed = seed
+        self.node = node
         self._lock = threading.Lock()
         self._until = 0.0
         self._spike_s = 0.0
+        self._expected: list[list] = []   # [[index, from_step, spike_ms, duration_s], ...]
+        self._started: set[int] = set()
+        self._probes = 0
 
-    def set_jitter(self, spike_ms: float, duration_s: float) -> None:
+    def expect(self, schedule: list[list]) -> None:
+        """The scheduled spikes on this node: [[index, from_step, spike_ms, duration_s], ...]."""
         with self._lock:
-            self._spike_s = spike_ms / 1000.0
-            self._until = time.monotonic() + duration_s
+            self._expected = [list(e) for e in schedule]
 
-    def delay(self) -> float:
+    def start(self, index: int, spike_ms: float, duration_s: float) -> None:
         with self._lock:
+            self._start(index, spike_ms, duration_s)
+
+    def _start(self, index: int, spike_ms: float, duration_s: float) -> None:
+        if index in self._started:
+            return
+        self._started.add(index)
+        self._spike_s = spike_ms / 1000.0
+        self._until = time.monotonic() + duration_s
+
+    def delay(self, step: int | None = None) -> float:
+        with self._lock:
+            if step is not None:
+                for index, from_step, spike_ms, duration_s in self._expected:
+                    if step >= from_step:
+                        self._start(index, spike_ms, duration_s)
             if time.monotonic() >= self._until or self._spike_s <= 0:
                 return 0.0
-            return self._spike_s * self._rng.uniform(0.75, 1.25)
+            if step is None:
+                self._probes += 1
+                key: int | str = f"probe-{self._probes}"
+            else:
+                key = step
+            return self._spike_s * spike_factor(self.seed, self.node, key)
 
-    def pass_through(self, interrupt: threading.Event | None = None) -> float:
-        """Take the delay; returns the seconds spent."""
+    def pass_through(self, interrupt: threading.Event | None = None, step: int | None = None) -> float:
+        """Take the delay (of 0-based step `step`, or of a probe); returns the seconds spent."""
         t0 = time.perf_counter()
-        d = self.delay()
+        d = self.delay(step)
         if d > 0:
             if interrupt is not None:
                 interrupt.wait(d)

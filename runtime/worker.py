@@ -103,7 +103,7 @@ class Worker:
         self._refill_store_pool()
         self.gloo_host = welcome.get("gloo_host") or ("127.0.0.1" if store_host in ("127.0.0.1", "localhost") else "")
         self.pgs: list[Any] = []  # old groups stay referenced: destroying one mid-collective blocks
-        self.gate = CommGate(hash((sc.run.seed, self.node)) & 0xFFFFFFFF)
+        self.gate = CommGate(sc.run.seed, self.node)
         self.abort_gen = -1
         self.stopping = False
         self.gen = -1
@@ -137,7 +137,7 @@ class Worker:
                 self.waiter.interrupt()
                 self.inbox.put(msg)
             elif kind == "jitter":
-                self.gate.set_jitter(float(msg["spike_ms"]), float(msg["duration_s"]))
+                self.gate.start(int(msg["index"]), float(msg["spike_ms"]), float(msg["duration_s"]))
             elif kind == "kill":
                 kill_self()
             else:
@@ -192,6 +192,10 @@ class Worker:
         self.standby = False
         self.quarantine = frozenset(msg.get("quarantine", ()))
         self.poison = [list(p) for p in msg.get("poison", [])]
+        region = self.node.rsplit("/", 1)[0]
+        self.gate.expect([[index, from_step, spike_ms, duration_s]
+                          for index, target, from_step, spike_ms, duration_s in msg.get("jitter", [])
+                          if target in (self.node, region)])
         self.slots = list(msg["slots"])
         self.members = list(msg["members"])
         self.slot_map = msg["slot_map"]
@@ -350,7 +354,7 @@ class Worker:
             gate_s = [0.0]
 
             def before_comm() -> None:
-                gate_s[0] = self.gate.pass_through(self.abort_event)
+                gate_s[0] = self.gate.pass_through(self.abort_event, step)
                 if should_abort():
                     raise Aborted()
                 self.at = f"gen {g} step {step + 1}: in the reduction"

@@ -114,6 +114,33 @@ def test_network_jitter_backpressure_reslot_and_back(tmp_path, baseline_long):
     assert all(dst == "a/0" for _, _, dst in back.detail["moves"])
     assert "a/0" not in out.detail["slot_map"] and "a/0" in back.detail["slot_map"]
     assert ks.index("detect") < ks.index("recover_start") < ks.index("reslot") < ks.index("recover_end")
+    # the spike starts at the step boundary, never racing the coordinator's message: it always
+    # catches the step after the commit of at_step, so that is the first slow step
+    detect = next(e for e in events if e.kind == "detect" and e.detail.get("fault_id") == fid)
+    assert detect.step == 3 + 1
+
+
+@pytest.mark.timeout(10)
+def test_comm_gate_starts_at_the_step_and_draws_deterministically():
+    from keel.scenario import SPIKE_SPREAD, spike_factor
+    from runtime.inject import CommGate
+    gate = CommGate(7, "a/0")
+    gate.expect([[4, 5, 100.0, 60.0]])  # schedule index 4: from 0-based step 5, 100 ms for 60 s
+    assert gate.delay(4) == 0.0
+    assert gate.delay(5) == pytest.approx(0.1 * spike_factor(7, "a/0", 5))
+    assert gate.delay(6) == pytest.approx(0.1 * spike_factor(7, "a/0", 6))
+    assert gate.delay(5) != gate.delay(6)
+    gate.start(4, 500.0, 60.0)  # the coordinator's message, late: the spike already started
+    assert gate.delay(7) == pytest.approx(0.1 * spike_factor(7, "a/0", 7))
+    assert CommGate(7, "a/0").delay(5) == 0.0  # nothing scheduled, nothing started
+    late = CommGate(7, "a/0")
+    late.start(4, 100.0, 60.0)  # a worker that was not computing: started by the message
+    assert late.delay(9) == pytest.approx(0.1 * spike_factor(7, "a/0", 9))
+    assert late.delay() > 0  # a probe: its own draw
+    draws = [spike_factor(1, "eu-west/0", k) for k in range(2000)]
+    assert min(draws) >= 1 - SPIKE_SPREAD and max(draws) <= 1 + SPIKE_SPREAD
+    assert abs(sum(draws) / len(draws) - 1.0) < 0.02
+    assert draws == [spike_factor(1, "eu-west/0", k) for k in range(2000)]
 
 
 def test_data_shard_skew_quarantine_is_reproducible(tmp_path):

@@ -299,6 +299,22 @@ def test_network_jitter_reslots_and_moves_back():
     assert result.summary["restarts"] == 0
 
 
+def test_spiked_step_takes_the_runtimes_own_draw_for_that_step():
+    """The step the spike catches lasts the target's compute + spike x the draw the runtime's
+    gate takes for that very step (keel.scenario.spike_factor) x rounds + the tail."""
+    from keel.scenario import spike_factor
+    raw = tiny_with(**{"run.steps": 12, "checkpoint.interval_steps": 100,
+                       "faults.schedule": [{"at_step": 5, "class": "network_jitter", "target": "a/0",
+                                            "spike_ms": 2000.0, "duration_s": 40.0}]})
+    cal = {"primitives": {"spike_rounds": {"median": 1.1}, "spike_tail_s": {"median": 0.3}}}
+    s = scenario(raw)
+    result = twin.simulate(s, calibration=cal)
+    (f,) = result.summary["faults"]
+    factor = spike_factor(s.run.seed, "a/0", 5)  # 0-based index of step 6, the one in flight
+    assert factor != 1.0
+    assert f["downtime_s"] == pytest.approx(1.0 + 2.0 * factor * 1.1 + 0.3, abs=1e-5)
+
+
 def test_network_jitter_below_the_straggler_factor_is_endured():
     raw = tiny_with(**{"run.steps": 30, "faults.schedule": [
         {"at_step": 5, "class": "network_jitter", "target": "a/0", "spike_ms": 100.0, "duration_s": 20.0}]})

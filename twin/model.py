@@ -63,7 +63,7 @@ import numpy as np
 import simpy
 
 from keel.events import Event
-from keel.scenario import ABSORB_ACTION, RESTART_ACTION, Scenario
+from keel.scenario import ABSORB_ACTION, RESTART_ACTION, Scenario, spike_factor
 from twin.params import TwinParams
 from twin.steps import NormalPool, StepShape
 from twin.topology import Topology
@@ -326,8 +326,9 @@ class Simulation:
     def _holders(self) -> int:
         return sum(self.holders_per_region.values())
 
-    def _place(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
-        """Give `count` slots to `candidates`, each to the node that would finish soonest."""
+    def _placement(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
+        """Where `count` more slots go among `candidates`: each to the node that would finish
+        soonest. Changes nothing."""
         got: Counter[str] = Counter()
         if count:
             heap = [((n.slots + 1) / n.speed, n.index, n) for n in candidates]
@@ -336,10 +337,30 @@ class Simulation:
                 _, index, best = heap[0]
                 got[best.name] += 1
                 heapq.heapreplace(heap, ((best.slots + got[best.name] + 1) / best.speed, index, best))
-        placed = sorted(got.items(), key=lambda kv: self.nodes[kv[0]].index)
+        return sorted(got.items(), key=lambda kv: self.nodes[kv[0]].index)
+
+    def _place(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
+        """Give `count` slots to `candidates`, each to the node that would finish soonest."""
+        placed = self._placement(count, candidates)
         for name, k in placed:
             self._update(self.nodes[name], slots=self.nodes[name].slots + k)
         return placed
+
+    def fault_free_step_s(self, holders: int) -> float:
+        """The expected fault-free step with the run's slots spread over the first `holders`
+        nodes in scenario order (the membership a fault-free run with that many training nodes
+        has), host sharing included."""
+        nodes = self.order[:holders]
+        idle = {n.name: 0 for n in nodes}
+        saved = {n.name: n.slots for n in nodes}
+        for n in nodes:  # _placement reads the nodes' current slots: count from empty ones
+            n.slots = 0
+        try:
+            slots = {**idle, **dict(self._placement(self.slot_count, nodes))}
+        finally:
+            for n in nodes:
+                n.slots = saved[n.name]
+        return self._expected_s(self._shape(with_spikes=False, nodes=nodes, slots=slots))
 
     def _spread_over_regions(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
         """Largest-remainder apportionment of `count` slots over the candidates' regions by
@@ -431,12 +452,18 @@ class Simulation:
             self._expected_cache[key] = shape.expected_s()
         return self._expected_cache[key]
 
-    def _spike_delay(self, spike: Spike, per_region: dict[str, int]) -> float:
+    def _spike_delay(self, spike: Spike, per_region: dict[str, int], step: int | None = None) -> float:
+        """A spike's delay per step: its mean, or, for 0-based step `step`, the runtime's own
+        draw for that step (`keel.scenario.spike_factor`, the slowest of the target's holders)."""
+        factor = 1.0
+        if step is not None:
+            factor = max((spike_factor(self.scenario.run.seed, n.name, step) for n in self._spiked_holders(spike)),
+                         default=1.0)
         rounds = self.params.spike_rounds
         if rounds is not None:  # calibrated: latency-bound rounds a spike delays per step
             touched = per_region.get(spike.target.split("/", 1)[0], 0) > 0
-            return spike.spike_s * rounds if touched else 0.0
-        return self.topology.spike_delay_s(spike.target, spike.spike_s, per_region)
+            return spike.spike_s * factor * rounds if touched else 0.0
+        return self.topology.spike_delay_s(spike.target, spike.spike_s * factor, per_region)
 
     def _current_shape(self) -> StepShape:
         if self._shape_cache is None or self._shape_cache[0] != self.layout_version:
@@ -776,7 +803,7 @@ class Simulation:
         hf = self._host_factor(self._holders())
         compute = max(n.slots * self.params.slot_compute_s / n.speed for n in holders) * hf
         if self.carry_elapsed_s < compute:
-            delay = self._spike_delay(sp, self._active_per_region())
+            delay = self._spike_delay(sp, self._active_per_region(), step=self.committed)
             if self.params.spike_tail_s is None:
                 self.carry_s += delay
             else:
