@@ -367,12 +367,14 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
             if ep["class"] == "network_jitter":
                 # the straggler's own excess per slot when it was found (it holds one slot)
                 d = ep["detail"].get("detect", {})
-                if "per_slot_s" in d and "median_per_slot_s" in d:
-                    out["spike_rounds"].append(max(0.0, (d["per_slot_s"] - d["median_per_slot_s"]) / spike_s))
+                slow = next((e for e in events if e.kind == "detect" and e.detail.get("fault_id") == fid), None)
+                if "per_slot_s" in d and "median_per_slot_s" in d and slow is not None:
+                    # over the gate's own draw for that step (0-based index: the commit count - 1)
+                    drawn = spike_s * S.spike_factor(sc.run.seed, spike_target, slow.step - 1)
+                    out["spike_rounds"].append(max(0.0, (d["per_slot_s"] - d["median_per_slot_s"]) / drawn))
                     # the slow step's interval beyond the straggler's time to its collective
-                    slow = next((e for e in events if e.kind == "detect" and e.detail.get("fault_id") == fid), None)
                     commits = {e.step: e.t for e in events if e.kind == "step"}
-                    if slow is not None and slow.step in commits and slow.step - 1 in commits:
+                    if slow.step in commits and slow.step - 1 in commits:
                         interval = commits[slow.step] - commits[slow.step - 1]
                         out["spike_tail_s"].append(max(0.0, interval - d["per_slot_s"]))  # it holds one slot
                 continue
@@ -455,9 +457,12 @@ def pace_split(step_time_s: float, compute_s: float, latency_s: float, gbyte_s: 
 
 
 def refresh_pace(calibration: Mapping[str, Any], scenario: S.Scenario, step_time_s: float,
-                 how: str) -> dict[str, Any]:
+                 how: str, fewer: tuple[int, float] | None = None) -> dict[str, Any]:
     """The calibration with its load-dependent fault-free pace re-measured: the reduction's
-    level and the per-step overhead re-split from `step_time_s` (every other primitive kept)."""
+    level and the per-step overhead re-split from `step_time_s` (every other primitive kept).
+    `fewer` = (training workers, their fault-free step time) from a second run with fewer
+    workers sharing the machine: `host_pace_per_worker` is then re-derived so that the twin's
+    step for that membership is the one measured (`host_pace_from`)."""
     import copy
     cal = copy.deepcopy(dict(calibration))
     p = cal["primitives"]
@@ -466,11 +471,35 @@ def refresh_pace(calibration: Mapping[str, Any], scenario: S.Scenario, step_time
     lat = p["reduce_latency_s"].get("micro_benchmark", p["reduce_latency_s"])["median"]
     bw = p["reduce_gbyte_s"].get("micro_benchmark", p["reduce_gbyte_s"])["median"]
     scale, over = pace_split(step_time_s, compute, lat, bw, scenario.workload.gradient_bytes)
+    def put(name: str, value: float, **record: Any) -> None:
+        old = p.get(name, {})
+        p[name] = {**old, "unit": old.get("unit", {**UNITS, **OPTIONAL}.get(name, "s")), "median": value,
+                   "refreshed": {"how": how, "step_time_s": step_time_s, "calibrated_median": old.get("median"),
+                                 **record}}
     for name, value in (("reduce_latency_s", lat * scale), ("reduce_gbyte_s", bw / scale),
                         ("step_overhead_s", over)):
-        p[name] = {**p[name], "median": value, "refreshed": {"how": how, "step_time_s": step_time_s,
-                                                               "calibrated_median": p[name]["median"]}}
+        put(name, value)
+    if fewer is not None and fewer[0] != scenario.training_nodes:
+        put("host_pace_per_worker", host_pace_from(scenario, cal, *fewer),
+            fewer_workers=fewer[0], fewer_step_time_s=fewer[1])
     return cal
+
+
+def host_pace_from(scenario: S.Scenario, calibration: Mapping[str, Any], workers: int,
+                   step_time_s: float) -> float:
+    """The `host_pace_per_worker` at which the twin's fault-free step with `workers` training
+    workers (the run's slots spread over the first ones) is `step_time_s`, the full
+    membership's step being the calibration's. The twin scales the whole step by
+    1 + slope x (holders - training nodes), so the slope is (measured / modelled-unscaled - 1)
+    / (workers - training nodes)."""
+    import copy
+    from twin.model import Simulation
+    from twin.params import TwinParams
+    cal = copy.deepcopy(dict(calibration))
+    cal["primitives"].pop("host_pace_per_worker", None)
+    params = TwinParams.from_scenario(scenario, cal)
+    modelled = Simulation(scenario, params, scenario.run.seed).fault_free_step_s(workers)
+    return (step_time_s / modelled - 1.0) / (workers - scenario.training_nodes)
 
 
 def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: str | Path | None = None,

@@ -230,32 +230,71 @@ def compare(scenario: S.Scenario, predicted: Mapping[str, Any], observed: Sequen
 
 
 PACE_STEPS = 30
+PACED = ("reduce_latency_s", "reduce_gbyte_s", "step_overhead_s", "host_pace_per_worker")  # what a pace run re-measures
 
 
-def pace_run(scenario: S.Scenario, calibration: Mapping[str, Any], out_dir: Path,
-             progress: bool, name: str = "pace") -> tuple[dict, dict]:
-    """The fault-free pace depends on how busy the machine is now, not only on what it is: a
-    fault-free runtime run of the scenario (its own directory, not one of the judged runs)
-    re-measures it, and the calibration's reduction level and per-step overhead are re-split
-    from it (`planner.calibrate.refresh_pace`); every other primitive is the calibration's."""
-    from planner.calibrate import refresh_pace
+def fewest_workers(scenario: S.Scenario) -> int:
+    """The training workers left once the schedule's kills have used up the hot spares: the
+    smallest membership a judged run trains with (its fault-free pace differs from the full
+    one's where the workers share a machine's cores)."""
+    f = scenario.faults
+    kills = 0
+    for e in f.schedule:
+        if e.class_ == "hardware_fault":
+            kills += 1
+        elif e.class_ == "partial_cluster_loss":
+            region = next(r for r in scenario.regions if r.name == e.target)
+            kills += min(region.nodes, e.nodes if e.nodes is not None else f.partial_cluster_loss.nodes)
+    return max(1, scenario.training_nodes - max(0, kills - scenario.policy.hot_spares))
+
+
+def pace_run(scenario: S.Scenario, out_dir: Path, progress: bool, name: str = "pace",
+             workers: int | None = None) -> float:
+    """The fault-free step time of the scenario now (its own run directory, not one of the
+    judged runs), with `workers` training workers where given: the same nodes and slots, the
+    others idle as hot spares."""
     from runtime.api import run_scenario
+    sc = scenario
+    if workers is not None and workers != scenario.training_nodes:
+        raw = PS.plain(scenario)
+        raw["policy"]["hot_spares"] = scenario.total_nodes - workers
+        sc = S.from_dict(raw, scenario.source)
     pace_dir = out_dir / "runtime" / name
     if progress:
-        print(f"validate: a fault-free pace run -> {pace_dir}", file=sys.stderr)
-    summary = run_scenario(scenario, pace_dir, steps=min(scenario.run.steps, PACE_STEPS), no_faults=True,
+        print(f"validate: a fault-free pace run with {sc.training_nodes} workers -> {pace_dir}", file=sys.stderr)
+    summary = run_scenario(sc, pace_dir, steps=min(scenario.run.steps, PACE_STEPS), no_faults=True,
                            progress=progress)
-    step = float(summary["step_time_s"])
-    refreshed = refresh_pace(calibration, scenario, step, f"fault-free pace run {pace_dir}")
-    p = refreshed["primitives"]
-    return refreshed, {"dir": str(pace_dir), "step_time_s": step, "steps": summary["steps"],
-                       **{k: p[k]["median"] for k in ("reduce_latency_s", "reduce_gbyte_s", "step_overhead_s")}}
+    return float(summary["step_time_s"])
+
+
+def paced_calibrations(scenario: S.Scenario, calibration: Mapping[str, Any],
+                       paces: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """One calibration per repetition, its load-dependent pace re-measured
+    (`planner.calibrate.refresh_pace`): repetition k is bracketed by pace runs k and k + 1, so
+    it takes their mean (a drift of the machine's load over the repetition cancels to first
+    order); every other primitive is the calibration's."""
+    from planner.calibrate import refresh_pace
+    out = []
+    for k in range(len(paces) - 1):
+        before, after = paces[k], paces[k + 1]
+        step = (before["step_time_s"] + after["step_time_s"]) / 2
+        fewer = None
+        if before.get("fewer_step_time_s") is not None:
+            fewer = (before["fewer_workers"], (before["fewer_step_time_s"] + after["fewer_step_time_s"]) / 2)
+        out.append(refresh_pace(calibration, scenario, step,
+                                f"fault-free pace runs {before['dir']} and {after['dir']}", fewer))
+    return out
 
 
 def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | None = None,
              repetitions: int | None = None, replicas: int = 16, progress: bool = True,
              processes: int | None = None, refresh_pace: bool = True) -> dict[str, Any]:
-    """Run, replay, compare; writes out_dir/comparison.json and returns it."""
+    """Run, replay, compare; writes out_dir/comparison.json and returns it.
+
+    The fault-free pace depends on how busy the machine is now, not only on what it is: with
+    `refresh_pace`, fault-free runs before the first repetition and after each one (with the
+    full membership, and with the fewest workers the schedule leaves where that differs)
+    re-measure it for the twin."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if not scenario.faults.schedule:
@@ -264,20 +303,27 @@ def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | No
     cal, cal_path, how = resolve_calibration(calibration, out, progress)
     if progress:
         print(f"validate: calibration {cal_path} ({how})", file=sys.stderr)
-    # each repetition is predicted at the pace measured in a fault-free run just before it
-    paced: list[dict] = []
+    fewer = fewest_workers(scenario)
     paces: list[dict] = []
 
     def measure_pace(k: int) -> None:
-        refreshed, pace = pace_run(scenario, cal, out, progress, name=f"pace-{k}")
-        paced.append(refreshed)
+        pace: dict[str, Any] = {"dir": str(out / "runtime" / f"pace-{k}"), "workers": scenario.training_nodes,
+                                "step_time_s": pace_run(scenario, out, progress, f"pace-{k}")}
+        if fewer != scenario.training_nodes:
+            pace["fewer_workers"] = fewer
+            pace["fewer_step_time_s"] = pace_run(scenario, out, progress, f"pace-{k}-{fewer}w", fewer)
         paces.append(pace)
 
-    observed = runtime_observation(scenario, repetitions or scenario.validate.repetitions, out, progress,
-                                   before_each=measure_pace if refresh_pace else None)
-    predicted = twin_prediction(scenario, paced or cal, replicas, out, processes)
+    n = repetitions or scenario.validate.repetitions
+    observed = runtime_observation(scenario, n, out, progress, before_each=measure_pace if refresh_pace else None)
+    if refresh_pace:
+        measure_pace(n)
+    paced = paced_calibrations(scenario, cal, paces) if refresh_pace else [cal]
+    predicted = twin_prediction(scenario, paced, replicas, out, processes)
     comparison = compare(scenario, predicted, observed, cal_path, how)
     comparison["pace_runs"] = paces
+    comparison["paced_primitives"] = [{k: c["primitives"][k]["median"] for k in PACED if k in c["primitives"]}
+                                      for c in paced] if refresh_pace else []
     (out / "comparison.json").write_text(json.dumps(comparison, indent=1, sort_keys=True, allow_nan=False) + "\n")
     return comparison
 
