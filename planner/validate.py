@@ -233,19 +233,17 @@ PACE_STEPS = 30
 PACED = ("reduce_latency_s", "reduce_gbyte_s", "step_overhead_s", "host_pace_per_worker")  # what a pace run re-measures
 
 
-def fewest_workers(scenario: S.Scenario) -> int:
-    """The training workers left once the schedule's kills have used up the hot spares: the
-    smallest membership a judged run trains with (its fault-free pace differs from the full
-    one's where the workers share a machine's cores)."""
-    f = scenario.faults
-    kills = 0
-    for e in f.schedule:
-        if e.class_ == "hardware_fault":
-            kills += 1
-        elif e.class_ == "partial_cluster_loss":
-            region = next(r for r in scenario.regions if r.name == e.target)
-            kills += min(region.nodes, e.nodes if e.nodes is not None else f.partial_cluster_loss.nodes)
-    return max(1, scenario.training_nodes - max(0, kills - scenario.policy.hot_spares))
+def fewest_workers(scenario: S.Scenario, calibration: Mapping[str, Any]) -> int:
+    """The fewest nodes holding slots in the twin's replay of the schedule: the smallest
+    membership a judged run trains with (once the kills have used up the hot spares, with a
+    straggler parked), whose fault-free pace differs from the full one's where the workers
+    share a machine's cores."""
+    from twin.model import Simulation
+    from twin.params import TwinParams
+    replay = PS.schedule_only(scenario)
+    sim = Simulation(replay, TwinParams.from_scenario(replay, calibration), scenario.run.seed)
+    sim.run()
+    return min(sim.memberships)
 
 
 def pace_run(scenario: S.Scenario, out_dir: Path, progress: bool, name: str = "pace",
@@ -303,7 +301,7 @@ def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | No
     cal, cal_path, how = resolve_calibration(calibration, out, progress)
     if progress:
         print(f"validate: calibration {cal_path} ({how})", file=sys.stderr)
-    fewer = fewest_workers(scenario)
+    fewer = fewest_workers(scenario, cal)
     paces: list[dict] = []
 
     def measure_pace(k: int) -> None:

@@ -163,6 +163,7 @@ class Simulation:
         self.events: list[Event] = []
 
         self._shape_cache: tuple[int, StepShape] | None = None
+        self.memberships: set[int] = set()  # how many nodes held slots, in each layout it trained with
         self._expected_cache: dict[tuple, float] = {}
         self.layout_version = 0
         # kept up to date by _update, so a fault costs O(nodes it touches), not O(cluster)
@@ -347,16 +348,15 @@ class Simulation:
         return placed
 
     def fault_free_step_s(self, holders: int) -> float:
-        """The expected fault-free step with the run's slots spread over the first `holders`
-        nodes in scenario order (the membership a fault-free run with that many training nodes
-        has), host sharing included."""
+        """The expected fault-free step with the run's slots placed over the first `holders`
+        nodes in scenario order, as a fault-free run with that many training nodes has them,
+        host sharing included."""
         nodes = self.order[:holders]
-        idle = {n.name: 0 for n in nodes}
         saved = {n.name: n.slots for n in nodes}
-        for n in nodes:  # _placement reads the nodes' current slots: count from empty ones
+        for n in nodes:  # _placement counts from the nodes' current slots: from empty ones
             n.slots = 0
         try:
-            slots = {**idle, **dict(self._placement(self.slot_count, nodes))}
+            slots = {n.name: 0 for n in nodes} | dict(self._placement(self.slot_count, nodes))
         finally:
             for n in nodes:
                 n.slots = saved[n.name]
@@ -406,8 +406,13 @@ class Simulation:
         red = self.topology.reduction(per_region)
         ref = self.reference_reduction
         hf = self._host_factor(sum(per_region.values()))
-        latency = red.latency_s * (p.reduce_latency_s / ref.latency_s if ref.latency_s > 0 else 1.0) * hf
-        per_byte = red.s_per_byte * ((1.0 / (ref.s_per_byte * 1e9)) / p.reduce_gbyte_s if ref.s_per_byte > 0 else 1.0) * hf
+        if p.host_pace_per_worker is not None:
+            # the workers share one machine: the calibrated reduction is that machine's, and how
+            # it changes with the membership is the host factor's, not the scenario's topology
+            latency, per_byte = p.reduce_latency_s * hf, hf / (p.reduce_gbyte_s * 1e9)
+        else:
+            latency = red.latency_s * (p.reduce_latency_s / ref.latency_s if ref.latency_s > 0 else 1.0)
+            per_byte = red.s_per_byte * ((1.0 / (ref.s_per_byte * 1e9)) / p.reduce_gbyte_s if ref.s_per_byte > 0 else 1.0)
         spike = floor = 0.0
         if with_spikes:
             for sp in self.spikes.values():
@@ -438,11 +443,11 @@ class Simulation:
         return compute + delay + self.params.spike_tail_s
 
     def _host_factor(self, holders: int) -> float:
-        """Workers sharing one machine's cores (calibrated `host_pace_per_worker`, 0 for
+        """Workers sharing one machine's cores (calibrated `host_pace_per_worker`; None for
         independent nodes): the fault-free step relative to the reference membership's, per
         worker holding slots more or fewer. A sleep (a spike's delay) is not scaled."""
         slope = self.params.host_pace_per_worker
-        if slope == 0 or holders <= 0:
+        if not slope or holders <= 0:
             return 1.0
         return max(0.05, 1.0 + slope * (holders - self.scenario.training_nodes))
 
@@ -468,6 +473,7 @@ class Simulation:
     def _current_shape(self) -> StepShape:
         if self._shape_cache is None or self._shape_cache[0] != self.layout_version:
             self._shape_cache = (self.layout_version, self._shape())
+            self.memberships.add(self._holders())
         return self._shape_cache[1]
 
     def _transfer_s(self, receivers: list[tuple[str, int]]) -> float:

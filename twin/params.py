@@ -37,8 +37,11 @@ Calibrated primitives (name: what it is; where the scenario value comes from):
                           more of them compute: the fault-free step with w workers holding slots is
                           the modelled step x (1 + host_pace_per_worker x (w - training nodes)).
                           Measured by `keel calibrate` from fault-free runs at several worker counts
-                          (its `pace` fit's slope over its fitted step at the reference count);
-                          default 0: independent machines, as a real cluster's nodes are
+                          (its `pace` fit's slope over its fitted step at the reference count).
+                          Given, it also says the workers share one machine: the calibrated reduction
+                          is then that machine's for any membership (the host factor scales it), not
+                          rescaled by the scenario's topology, which describes a cluster that is not
+                          there. Default none: independent machines, as a real cluster's nodes are
   spike_tail_s            optional: a spiked step's collective and commit once the delayed worker has
                           reached it, s. The runtime's gate delays the target before its
                           collectives, while the others compute and then wait for it, so a spiked
@@ -98,7 +101,7 @@ class TwinParams:
     restart_s: float
     spike_rounds: float | None = None
     detect_rack_s: float | None = None  # None: as detect_kill_s
-    host_pace_per_worker: float = 0.0
+    host_pace_per_worker: float | None = None  # None: independent machines
     spike_tail_s: float | None = None
     # not calibrated: taken from the scenario as they are
     compute_jitter: float = 0.0
