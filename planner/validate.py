@@ -262,17 +262,8 @@ def pace_run(scenario: S.Scenario, out_dir: Path, progress: bool, name: str = "p
     if progress:
         print(f"validate: a fault-free pace run with {sc.training_nodes} workers -> {pace_dir}", file=sys.stderr)
     run_scenario(sc, pace_dir, steps=min(scenario.run.steps, PACE_STEPS), no_faults=True, progress=progress)
+    from planner.calibrate import throughput_step_s
     return throughput_step_s(read_events(pace_dir / "events.jsonl"))
-
-
-def throughput_step_s(events: Sequence[Any], warmup: int = 2) -> float:
-    """A fault-free run's mean step: its commits past the first `warmup` over the time they
-    took, checkpoints and the machine's hiccups included. The twin's prediction of a run's
-    wall time needs the mean, not the median the runtime reports as its pace (a few slow
-    steps in every stretch make the mean 2-10 % higher here)."""
-    commits = [(e.step, e.t) for e in events if e.kind == "step"]
-    (s0, t0), (s1, t1) = commits[min(warmup, len(commits) - 2)], commits[-1]
-    return (t1 - t0) / (s1 - s0)
 
 
 def paced_calibrations(scenario: S.Scenario, calibration: Mapping[str, Any],
@@ -292,6 +283,25 @@ def paced_calibrations(scenario: S.Scenario, calibration: Mapping[str, Any],
         out.append(refresh_pace(calibration, scenario, step,
                                 f"fault-free pace runs {before['dir']} and {after['dir']}", fewer))
     return out
+
+
+LOAD_DRIFT_WARN = 0.15
+
+
+def load_drift(calibration: Mapping[str, Any], scenario: S.Scenario,
+               paces: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """How busy the machine was when the calibration was measured against now: its fault-free
+    pace at this membership against the pace runs'. The recovery primitives (detection,
+    re-formation, take-over) are the calibration's and slow down with the load like a step
+    does; where the paces differ by more than LOAD_DRIFT_WARN the comparison says so."""
+    by_workers = (calibration.get("pace") or {}).get("step_time_s_by_workers") or {}
+    then = by_workers.get(str(scenario.training_nodes))
+    if then is None or not paces:
+        return None
+    now = statistics.median(p["step_time_s"] for p in paces)
+    drift = now / then - 1.0
+    return {"calibration_step_s": then, "validation_step_s": now, "drift": drift,
+            "warn": abs(drift) > LOAD_DRIFT_WARN}
 
 
 def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | None = None,
@@ -330,6 +340,7 @@ def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | No
     predicted = twin_prediction(scenario, paced, replicas, out, processes)
     comparison = compare(scenario, predicted, observed, cal_path, how)
     comparison["pace_runs"] = paces
+    comparison["calibration_load"] = load_drift(cal, scenario, paces)
     comparison["paced_primitives"] = [{k: c["primitives"][k]["median"] for k in PACED if k in c["primitives"]}
                                       for c in paced] if refresh_pace else []
     (out / "comparison.json").write_text(json.dumps(comparison, indent=1, sort_keys=True, allow_nan=False) + "\n")
@@ -370,6 +381,11 @@ def table(c: Mapping[str, Any]) -> str:
         f"(tolerance {tol['downtime_rel_tol']:.0%}): {ok(c['pass']['downtime'])}",
         f"result: {'PASS' if c['pass']['all'] else 'FAIL'}",
     ]
+    drift = c.get("calibration_load")
+    if drift and drift["warn"]:
+        lines.append(f"warning: the calibration was measured at a fault-free step of {drift['calibration_step_s']:.3f} s, "
+                     f"this validation at {drift['validation_step_s']:.3f} s ({drift['drift']:+.0%}): the machine's load "
+                     "changed, and the calibrated recovery times with it; calibrate again under this load")
     return "\n".join(lines)
 
 

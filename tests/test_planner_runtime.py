@@ -91,10 +91,13 @@ def test_validate_writes_a_complete_comparison_and_a_consistent_verdict(validati
 
 
 @pytest.mark.timeout(1040)
-@pytest.mark.xfail(strict=False, reason="issue 5 is open: the twin misses the 10% per-fault downtime tolerance "
-                   "on local-8 (15% median on a quiet machine, more under load); see docs/validation.md")
 def test_validate_local_8_passes_its_tolerances(validation):
     _, _, comparison = validation
+    drift = comparison["calibration_load"]
+    assert drift is not None and drift["calibration_step_s"] > 0 and drift["validation_step_s"] > 0
+    if drift["warn"]:  # judging the twin needs a calibration measured under the load of the judged runs
+        pytest.skip(f"the machine's load changed between calibration and validation: fault-free step "
+                    f"{drift['calibration_step_s']:.3f} s then, {drift['validation_step_s']:.3f} s now")
     summary = "; ".join(f"{f['class']} {f['downtime_rel_err']:.0%}" for f in comparison["faults"])
     assert comparison["pass"]["all"], (f"downtime median error {comparison['downtime_median_rel_err']:.1%} "
                                        f"({summary}), wall error {comparison['wall_s']['rel_err']:.1%}")
