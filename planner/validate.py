@@ -252,6 +252,7 @@ def pace_run(scenario: S.Scenario, out_dir: Path, progress: bool, name: str = "p
     judged runs), with `workers` training workers where given: the same nodes and slots, the
     others idle as hot spares."""
     from keel.events import read_events
+    from planner.calibrate import throughput_step_s
     from runtime.api import run_scenario
     sc = scenario
     if workers is not None and workers != scenario.training_nodes:
@@ -262,7 +263,6 @@ def pace_run(scenario: S.Scenario, out_dir: Path, progress: bool, name: str = "p
     if progress:
         print(f"validate: a fault-free pace run with {sc.training_nodes} workers -> {pace_dir}", file=sys.stderr)
     run_scenario(sc, pace_dir, steps=min(scenario.run.steps, PACE_STEPS), no_faults=True, progress=progress)
-    from planner.calibrate import throughput_step_s
     return throughput_step_s(read_events(pace_dir / "events.jsonl"))
 
 
