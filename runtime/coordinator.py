@@ -214,7 +214,7 @@ class Coordinator:
         self.restarts = 0
         self.load_path: str | None = None
         self.median_per_slot: float | None = None
-        self.intervals: list[float] = []
+        self.intervals: list[tuple[int, float]] = []  # (members, seconds) per clean commit interval
         self.last_commit_t: float | None = None
         self.last_event_was_commit = False
         self.gen_t: dict[int, dict[str, float]] = {}
@@ -760,7 +760,7 @@ class Coordinator:
         self.losses[k] = loss
         self.emit("step", loss=loss, gen=self.gen)
         if pace_ok:
-            self.intervals.append(now - self.last_commit_t)
+            self.intervals.append((len(self.members), now - self.last_commit_t))
         self.last_commit_t = now
         self.last_progress = now
         self.bar.update(1)
@@ -1054,7 +1054,14 @@ class Coordinator:
             self.phase = "finished"
 
     def fault_free_step_time(self) -> float | None:
-        xs = self.intervals[2:] if len(self.intervals) > 4 else self.intervals
+        """The median interval between consecutive commits with nothing else between them, past
+        the first two, taken where the generation had the run's full training membership: the
+        fault-free pace the metrics compare with (steps with fewer workers, after a loss or with
+        a straggler parked, are part of what the faults did). Every clean interval where there
+        are too few of those."""
+        healthy = [dt for members, dt in self.intervals if members == len(self.training)]
+        xs = healthy if len(healthy) >= 3 else [dt for _, dt in self.intervals]
+        xs = xs[2:] if len(xs) > 4 else xs
         return statistics.median(xs) if xs else None
 
     def _finish(self) -> dict[str, Any]:
