@@ -41,7 +41,7 @@ UNITS = {
 OPTIONAL = {"spike_rounds": "rounds",  # the twin takes it where given
             "detect_rack_s": "s",
             "host_pace_per_worker": "1/worker",
-            "spike_tail_s": "s"}  # the twin takes it where given (host sharing)  # the twin takes it where given (else it detects a rack loss like a kill)
+            "spike_tail_s": "s"}  # the twin takes these where given
 PRIMITIVES = tuple(UNITS)
 
 
@@ -329,7 +329,8 @@ def run_runtime(scenario: S.Scenario, out_dir: Path, hangs: str | None = None,
 
 
 def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, transfer_gbyte_s: float,
-                        progress: Callable[[str], None], failures: list | None = None) -> dict[str, list[float]]:
+                        progress: Callable[[str], None], failures: list | None = None,
+                        slot_compute_s: float = 0.0) -> dict[str, list[float]]:
     """Real runs of the local scenario's shape. Absorb runs (`reps`): a training worker is
     SIGKILLed and the hot spare takes over, later another is SIGSTOPped (no spare left, the
     survivors take its slots). checkpoint_restart runs (`max(1, reps - 2)`): a worker is killed.
@@ -378,8 +379,12 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
                     # the slow step's interval beyond the straggler's time to its collective
                     commits = {e.step: e.t for e in events if e.kind == "step"}
                     if slow.step in commits and slow.step - 1 in commits:
+                        # the twin's spiked step is the target's compute (slot_compute_s, measured
+                        # alone) + the delay + this tail: the tail takes in what computing among
+                        # the others costs (their median time to the collective) beyond that
                         interval = commits[slow.step] - commits[slow.step - 1]
-                        out["spike_tail_s"].append(max(0.0, interval - d["per_slot_s"]))  # it holds one slot
+                        delay = d["per_slot_s"] - d["median_per_slot_s"]  # it holds one slot
+                        out["spike_tail_s"].append(max(0.0, interval - delay - slot_compute_s))
                 continue
             if not {"fault", "detect", "recover_end"} <= set(t):
                 continue
@@ -549,7 +554,7 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
         ckpt = checkpoint_throughput(base, reps, work)
         pace = pace_by_workers(base, work / "runs", pace_steps, 2 if quick else 3, say, failures)
         rec = recovery_primitives(base, run_reps, work / "runs", run_steps, statistics.median(transfer), say,
-                                  failures)
+                                  failures, slot_compute_s=statistics.median(compute))
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -588,12 +593,13 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
                                             how="detect - fault of a rack loss (its workers SIGKILLed at once), runtime runs")
     if rec["spike_tail_s"]:
         primitives["spike_tail_s"] = entry(rec["spike_tail_s"], "s",
-                                           how="a spiked worker's first slow step: commit interval - its reported "
-                                               "time to the collective (compute + the gate's delay), runtime runs")
+                                           how="a spiked worker's first slow step: commit interval - the gate's delay "
+                                               "(its time to the collective - the others' median) - slot_compute_s, "
+                                               "runtime runs")
     if rec["spike_rounds"]:
         primitives["spike_rounds"] = entry(rec["spike_rounds"], "rounds",
-                                           how="a spiked worker's excess time per step over the median, / spike, "
-                                               "when the runtime found it a straggler")
+                                           how="a spiked worker's excess time per step over the median, / the "
+                                               "gate's drawn delay for that step, when the runtime found it a straggler")
     for name, how in (("detect_kill_s", "detect - fault of a SIGKILLed worker, runtime runs"),
                       ("detect_hang_s", "detect - fault of a SIGSTOPped worker, runtime runs"),
                       ("reform_s", "hung worker: detect to first commit - one step - state copy, runtime runs"),
