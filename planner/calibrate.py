@@ -393,7 +393,9 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
             if ep["class"] == "partial_cluster_loss":
                 out["detect_rack_s"].append(detect)
                 continue
-            pause[mode] = t["recover_end"] - t["detect"] - step - per_slot_copy_s
+            # the redone step as the runtime timed it (its membership's pace, not the run's)
+            redo = ep["detail"]["recover_end"].get("redo_s", step)
+            pause[mode] = t["recover_end"] - t["detect"] - redo - per_slot_copy_s
             out["detect_hang_s" if mode == "hang" else "detect_kill_s"].append(detect)
         if "hang" in pause:
             out["reform_s"].append(max(0.0, pause["hang"]))
