@@ -332,13 +332,15 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
                         progress: Callable[[str], None], failures: list | None = None,
                         slot_compute_s: float = 0.0) -> dict[str, list[float]]:
     """Real runs of the local scenario's shape. Absorb runs (`reps`): a training worker is
-    SIGKILLed and the hot spare takes over, later another is SIGSTOPped (no spare left, the
-    survivors take its slots). checkpoint_restart runs (`max(1, reps - 2)`): a worker is killed.
+    SIGKILLed and the hot spare takes over, a worker is spiked, another SIGSTOPped, and the
+    last region lost (no spare left, the survivors take its slots). checkpoint_restart runs
+    (one, two beyond 5 absorb runs): a worker is killed.
 
     From each episode: detection = detect - fault; after detection, the time to the first
-    commit minus the one redone step and the modelled state copy is the twin's pause:
-    reform_s for the survivors-only episode (the hang), reform_s + spare_takeover_s for the
-    spare's. restart_s = first commit after the restart - restart - one step."""
+    commit minus the redone step (the runtime's `redo_s`) and the modelled state copy is the
+    twin's pause: reform_s for the survivors-only episode (the rack loss), reform_s +
+    spare_takeover_s for the spare's. restart_s = first commit after the restart - restart -
+    one step."""
     trained = base.node_names[: base.training_nodes]
     # one fault at a time, each after the previous one's episode is over and past the run's
     # first steps (slower while the workers warm up), as a scenario's faults usually come: at
@@ -388,19 +390,18 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
                 continue
             if not {"fault", "detect", "recover_end"} <= set(t):
                 continue
-            mode = ep["detail"]["fault"].get("mode")
+            mode = "rack" if ep["class"] == "partial_cluster_loss" else ep["detail"]["fault"].get("mode")
             detect = t["detect"] - t["fault"]
-            if ep["class"] == "partial_cluster_loss":
-                out["detect_rack_s"].append(detect)
-                continue
+            out[{"rack": "detect_rack_s", "hang": "detect_hang_s"}.get(mode, "detect_kill_s")].append(detect)
             # the redone step as the runtime timed it (its membership's pace, not the run's)
             redo = ep["detail"]["recover_end"].get("redo_s", step)
             pause[mode] = t["recover_end"] - t["detect"] - redo - per_slot_copy_s
-            out["detect_hang_s" if mode == "hang" else "detect_kill_s"].append(detect)
-        if "hang" in pause:
-            out["reform_s"].append(max(0.0, pause["hang"]))
+        # the rack loss leaves no spare: its pause is the survivors re-forming (the hang's is
+        # longer: the hung worker is fenced then, and its exit competes with the re-formation)
+        if "rack" in pause:
+            out["reform_s"].append(max(0.0, pause["rack"]))
             if "kill" in pause:
-                out["spare_takeover_s"].append(max(0.0, pause["kill"] - pause["hang"]))
+                out["spare_takeover_s"].append(max(0.0, pause["kill"] - pause["rack"]))
     cr = calibration_scenario(base, steps=steps, schedule=[
         {"at_step": kill_at, "class": "hardware_fault", "target": kill_target}],
         overrides={"policy.kind": "checkpoint_restart"})
