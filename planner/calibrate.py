@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import socket
@@ -463,6 +464,14 @@ def throughput_step_s(events: Sequence[Any], warmup: int = 2) -> float:
     return (t1 - t0) / (s1 - s0)
 
 
+def step_compute_s(scenario: S.Scenario, slot_compute_s: float, shared_host: bool) -> float:
+    """The compute part of a fault-free step, as the twin models it: on a shared machine the
+    slots' total spread evenly over the training workers (the cores do all of it, whoever holds
+    which slot), else the busiest worker's slots."""
+    per_worker = scenario.slot_count / scenario.training_nodes
+    return (per_worker if shared_host else math.ceil(per_worker)) * slot_compute_s
+
+
 def pace_split(step_time_s: float, compute_s: float, latency_s: float, gbyte_s: float,
                gradient_bytes: float) -> tuple[float, float]:
     """Split a measured fault-free step into compute, reduction and overhead: returns (the
@@ -486,11 +495,11 @@ def refresh_pace(calibration: Mapping[str, Any], scenario: S.Scenario, step_time
     import copy
     cal = copy.deepcopy(dict(calibration))
     p = cal["primitives"]
-    slots_per_worker = -(-scenario.slot_count // scenario.training_nodes)
-    compute = slots_per_worker * p["slot_compute_s"]["median"]
+    compute = step_compute_s(scenario, p["slot_compute_s"]["median"], shared_host="host_pace_per_worker" in p)
     lat = p["reduce_latency_s"].get("micro_benchmark", p["reduce_latency_s"])["median"]
     bw = p["reduce_gbyte_s"].get("micro_benchmark", p["reduce_gbyte_s"])["median"]
     scale, over = pace_split(step_time_s, compute, lat, bw, scenario.workload.gradient_bytes)
+
     def put(name: str, value: float, **record: Any) -> None:
         old = p.get(name, {})
         p[name] = {**old, "unit": old.get("unit", {**UNITS, **OPTIONAL}.get(name, "s")), "median": value,
@@ -568,18 +577,18 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
     # among idle processes on a shared machine pays scheduling skew the training loop hides),
     # and where it came out faster the rest is per-step overhead.
     slot_compute = statistics.median(compute)
-    slots_per_worker = -(-base.slot_count // world)
     lat_s, bw_s, overhead = [], [], []
     for st in ([pace[world]] if world in pace else rec["step_time_s"]):
-        scale, over = pace_split(st, slots_per_worker * slot_compute, statistics.median(lat),
-                                 statistics.median(bw), base.workload.gradient_bytes)
+        # the workers measured here share this machine (host_pace_per_worker below)
+        scale, over = pace_split(st, step_compute_s(base, slot_compute, shared_host=len(pace) >= 2),
+                                 statistics.median(lat), statistics.median(bw), base.workload.gradient_bytes)
         lat_s += [x * scale for x in lat]
         bw_s += [x / scale for x in bw]
         overhead.append(over)
     primitives = {
         "slot_compute_s": entry(compute, "s", how="one slot's forward+backward, real model and data, one process at a time"),
         "step_overhead_s": entry(overhead, "s", how="runtime fault-free step time - slots x slot_compute - reduction",
-                                 step_time_s=pace.get(world), slots_per_worker=slots_per_worker),
+                                 step_time_s=pace.get(world)),
         "reduce_latency_s": entry(lat_s, "s", how=f"runtime.reduction over {world} gloo processes, affine fit, "
                                   "level scaled to the runs' in-situ reduction", world_size=world,
                                   micro_benchmark=entry(lat, "s"), median_s_per_gradient_bytes=per_size),

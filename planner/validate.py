@@ -7,9 +7,11 @@ replicas: the seeds vary only the twin's compute and link jitter. The tolerances
 scenario's `[validate]` table, fixed before anything runs. Nothing is fitted to the runs
 being judged.
 
-Per fault: predicted = the twin's mean over replicas, with the 2.5-97.5 % range of the
-replicas as `*_ci95`; observed = the median over the runtime's repetitions, with every
-repetition's value. Relative error = |predicted - observed| / observed.
+Per fault: observed = the median over the runtime's repetitions, with every repetition's
+value; predicted = the same statistic of the twin's predictions of the repetitions (each
+repetition is predicted by the mean of the replicas run with its own paced calibration; the
+median over repetitions of those), with the 2.5-97.5 % range of all replicas as `*_ci95`.
+Relative error = |predicted - observed| / observed.
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ def twin_prediction(scenario: S.Scenario, calibration: Mapping[str, Any] | Seque
     seeds = seeds_for(scenario.run.seed, replicas)
     with LocalRunner(processes) as runner:
         reps = runner.map([(replay, s, cals[i % len(cals)]) for i, s in enumerate(seeds)])
-    return {"reference": result.summary, "replicas": reps, "seeds": seeds,
+    return {"reference": result.summary, "replicas": reps, "seeds": seeds, "calibrations": len(cals),
             "detect_s": detect_times(_as_events(result.events))}
 
 
@@ -156,22 +158,36 @@ def _match(faults: Sequence[Mapping[str, Any]], ref: Mapping[str, Any]) -> Mappi
     return same[0] if same else None
 
 
+def per_repetition(values: Sequence[float | None], repetitions: int) -> float:
+    """The median over repetitions of each one's predicted value: replica i was run with
+    repetition i mod `repetitions`'s calibration, and each repetition's prediction is the mean
+    of its replicas. A load spike during one repetition moves its prediction as it moves that
+    repetition, so the predicted statistic matches the observed median, not a mean that the
+    spike would pull."""
+    groups = [[v for v in values[k::repetitions] if v is not None] for k in range(repetitions)]
+    return statistics.median(statistics.fmean(g) for g in groups if g)
+
+
 def compare(scenario: S.Scenario, predicted: Mapping[str, Any], observed: Sequence[Mapping[str, Any]],
             calibration_path: str, calibration_how: str) -> dict[str, Any]:
     tol = scenario.validate
     reps = predicted["replicas"]
+    n_cal = predicted.get("calibrations", 1)
     ref = predicted["reference"]
+    central = lambda values: per_repetition(values, n_cal)  # noqa: E731
     faults = []
     for f in ref.get("faults", []):
-        pred_d = [m["downtime_s"] for m in (_match(r["faults"], f) for r in reps) if m]
-        pred_c = [m["cost_s"] for m in (_match(r["faults"], f) for r in reps) if m]
+        matched = [_match(r["faults"], f) for r in reps]
+        pred_d = [m["downtime_s"] for m in matched if m]
+        pred_c = [m["cost_s"] for m in matched if m]
         obs = [m for m in (_match(o.get("faults", []), f) for o in observed) if m]
         obs_d = [m["downtime_s"] for m in obs]
         obs_c = [m["cost_s"] for m in obs]
         if not obs or not pred_d:
             raise RunFailed(f"fault {f.get('fault_id')} ({f.get('class')} on {f.get('target')}) was predicted "
                             f"but {'not observed' if not obs else 'missing in the replicas'}")
-        p = {"downtime_s": statistics.fmean(pred_d), "cost_s": statistics.fmean(pred_c),
+        p = {"downtime_s": central([m and m["downtime_s"] for m in matched]),
+             "cost_s": central([m and m["cost_s"] for m in matched]),
              "downtime_ci95": interval(pred_d), "cost_ci95": interval(pred_c),
              "detect_s": predicted.get("detect_s", {}).get(f.get("fault_id"))}
         o = {"downtime_s": statistics.median(obs_d), "cost_s": statistics.median(obs_c),
@@ -190,15 +206,15 @@ def compare(scenario: S.Scenario, predicted: Mapping[str, Any], observed: Sequen
     wall_obs = [o["wall_s"] for o in observed]
     good_pred = [r["goodput"] for r in reps]
     good_obs = [o["goodput"] for o in observed]
-    wall = {"predicted": statistics.fmean(wall_pred), "observed": statistics.median(wall_obs),
+    wall = {"predicted": central(wall_pred), "observed": statistics.median(wall_obs),
             "observed_reps": wall_obs, "predicted_ci95": interval(wall_pred),
             "launch_s_reps": [o.get("launch_s") for o in observed],
             "note": "training wall time: the runtime's launch (run_start to one step before the first commit) excluded"}
     wall["rel_err"] = rel_err(wall["predicted"], wall["observed"])
-    goodput = {"predicted": statistics.fmean(good_pred), "observed": statistics.median(good_obs),
+    goodput = {"predicted": central(good_pred), "observed": statistics.median(good_obs),
                "observed_reps": good_obs, "predicted_ci95": interval(good_pred)}
     goodput["rel_err"] = rel_err(goodput["predicted"], goodput["observed"])
-    step = {"predicted": statistics.fmean(r["step_time_s"] for r in reps),
+    step = {"predicted": central([r["step_time_s"] for r in reps]),
             "observed": statistics.median(o["step_time_s"] for o in observed)}
     step["rel_err"] = rel_err(step["predicted"], step["observed"])
     median_err = statistics.median(f["downtime_rel_err"] for f in faults) if faults else 0.0

@@ -215,3 +215,19 @@ def test_validate_uses_an_existing_calibration(tmp_path, monkeypatch):
     (tmp_path / "calibration.json").unlink()
     got, path, how = resolve_calibration(None, out, progress=False, measure=lambda **kw: cal)
     assert how == "measured" and (out / "calibration.json").exists()
+
+
+def test_refreshed_pace_reproduces_both_measured_paces():
+    """validate's pace runs: the full membership's step re-splits the reduction level, the
+    fewer workers' step sets host_pace_per_worker; the twin then predicts both as measured."""
+    from planner.calibrate import refresh_pace
+    from twin.model import Simulation
+    from twin.params import TwinParams
+    sc = S.load(SCENARIOS / "local-8.toml")
+    cal = {"primitives": {"slot_compute_s": {"median": 0.005}, "reduce_latency_s": {"median": 0.02},
+                          "reduce_gbyte_s": {"median": 0.05}, "host_pace_per_worker": {"median": 0.05}}}
+    refreshed = refresh_pace(cal, sc, 0.060, "test", fewer=(4, 0.042))
+    sim = Simulation(sc, TwinParams.from_scenario(sc, refreshed), sc.run.seed)
+    assert sim.fault_free_step_s(sc.training_nodes) == pytest.approx(0.060, rel=0.01)
+    assert sim.fault_free_step_s(4) == pytest.approx(0.042, rel=0.01)
+    assert refreshed["primitives"]["host_pace_per_worker"]["refreshed"]["fewer_workers"] == 4

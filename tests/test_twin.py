@@ -315,6 +315,23 @@ def test_spiked_step_takes_the_runtimes_own_draw_for_that_step():
     assert f["downtime_s"] == pytest.approx(1.0 + 2.0 * factor * 1.1 + 0.3, abs=1e-5)
 
 
+def test_shared_host_steps_by_total_work_not_layout():
+    """Workers on one machine (host_pace_per_worker calibrated) finish a step when the shared
+    cores have done all its work: 3-2-2-1 slots step as fast as 2-2-2-2, and the calibrated
+    reduction is not rescaled by the scenario's topology; independent nodes wait for the busiest."""
+    s = load(LOCAL)
+    shared = Simulation(s, TwinParams.from_scenario(s, {"primitives": {"host_pace_per_worker": {"median": 0.1}}}), 1)
+    alone = Simulation(s, TwinParams.from_scenario(s), 1)
+
+    def step(sim, layout):
+        nodes = sim.order[:len(layout)]
+        return sim._expected_s(sim._shape(with_spikes=False, nodes=nodes,
+                                          slots={n.name: k for n, k in zip(nodes, layout)}))
+    assert step(shared, (3, 2, 2, 1)) == pytest.approx(step(shared, (2, 2, 2, 2)))
+    assert step(shared, (2, 2, 2, 2)) == pytest.approx(shared.fault_free_step_s(4))
+    assert step(alone, (3, 2, 2, 1)) > step(alone, (2, 2, 2, 2)) + 0.5 * s.workload.step_compute_s
+
+
 def test_network_jitter_below_the_straggler_factor_is_endured():
     raw = tiny_with(**{"run.steps": 30, "faults.schedule": [
         {"at_step": 5, "class": "network_jitter", "target": "a/0", "spike_ms": 100.0, "duration_s": 20.0}]})

@@ -423,6 +423,12 @@ class Simulation:
                     else:  # the others' work overlaps the target's wait (see _spiked_step_s)
                         floor = max(floor, self._spiked_step_s(sp, delay, hf, nodes, slots))
         fixed = latency + self.scenario.workload.gradient_bytes * per_byte + p.step_overhead_s * hf + spike
+        if p.host_pace_per_worker is not None and groups:
+            # workers time-sharing a machine's cores finish a step when the cores have done all
+            # of its work: the compute is the slots' total spread evenly, whoever holds them
+            # (a 3-2-2-1 layout steps as fast as 2-2-2-2 here, not one slot slower)
+            holders = sum(groups.values())
+            groups = Counter({sum(base * n for base, n in groups.items()) / holders: holders})
         return StepShape(tuple(sorted((n, base * hf) for base, n in groups.items())), p.compute_jitter,
                          fixed, latency, red.jitter_s, floor)
 

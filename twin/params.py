@@ -41,7 +41,9 @@ Calibrated primitives (name: what it is; where the scenario value comes from):
                           Given, it also says the workers share one machine: the calibrated reduction
                           is then that machine's for any membership (the host factor scales it), not
                           rescaled by the scenario's topology, which describes a cluster that is not
-                          there. Default none: independent machines, as a real cluster's nodes are
+                          there, and a step's compute is the slots' total spread evenly over the
+                          workers holding them (the shared cores do all of it, whoever holds which).
+                          Default none: independent machines, as a real cluster's nodes are
   spike_tail_s            optional: a spiked step's collective and commit once the delayed worker has
                           reached it, s. The runtime's gate delays the target before its
                           collectives, while the others compute and then wait for it, so a spiked
