@@ -9,10 +9,12 @@ even with wrap-around), so we add integers:
 1. Each worker takes, per segment (one parameter tensor, or the loss), the largest |value|
    over its slots, plus a non-finite flag. One all-reduce MAX of that short vector gives every
    worker the same global maxima M_i, hence the same exponent e_i (M_i < 2^e_i).
-2. Each slot's values are scaled by 2^shift_i (shift_i = 61 - e_i - ceil(log2(slots))) in
-   float64 (exact: float32 -> float64 and a power-of-two scale lose nothing), rounded half to
-   even to int64 and summed over the worker's slots. With that shift no sum of `slots` terms
-   can overflow 2^63.
+2. Each slot's values are scaled by 2^shift_i (shift_i = 61 - e_i - ceil(log2(slots))),
+   rounded half to even to int64 and summed over the worker's slots. With that shift no sum
+   of `slots` terms can overflow 2^63. The scaling is exact: a power-of-two factor changes only
+   the exponent. It runs in float32 when every 2^shift_i is a normal float32 (a product that
+   falls below float32's normal range is < 2^-126 and rounds to 0 all the same), else in
+   float64; the per-value factors are cached per shift vector.
 3. One all-reduce SUM of the int64 vector. Its result is the exact sum of the rounded values,
    whatever the grouping. Decoding (int64 -> float64, x (2^-shift_i / slots), -> float32) is a
    fixed sequence of operations on identical inputs, so every worker gets identical bits.
@@ -24,6 +26,13 @@ itself only that accurate.
 
 A non-finite value anywhere sets the flag instead; every worker sees it after step 1 and the
 step is not committed (quarantine, see worker.py). The int64 round is then skipped.
+
+One round in the common case (`SlotReducer.reduce`): given a priori bounds that every worker
+knows identically, step 1 is not needed. Each worker encodes with the bounds' shifts and checks
+the bounds on the scaled values (|v| < 2^e exactly when |v x 2^shift| < 2^(61 - ceil(log2
+slots))), one min/max pass per slot, and appends two counters to the int64 vector: overflow
+(a finite value beyond its bound) and non-finite. If any worker overflowed, the step takes the
+two rounds above; which path it takes depends only on the bounds and the slots' values.
 """
 from __future__ import annotations
 
@@ -36,6 +45,7 @@ from typing import Callable, Sequence
 import torch
 
 SHIFT_BASE = 61  # bits of headroom in an int64 sum, minus one for the sign
+ZERO_BOUND = -149  # the exponent of a zero bound: 2**-149 is the smallest positive float32, so it admits only 0
 
 
 class Aborted(Exception):
@@ -87,44 +97,92 @@ def exponents(maxima: Sequence[float]) -> list[int]:
     return [math.frexp(m)[1] if m > 0 else 0 for m in maxima]
 
 
-def shifts_for(exps: Sequence[int | None], slots: int) -> torch.Tensor:
-    """int64[segments]: the power of two each segment is scaled by, for values below 2**e
-    (None: a zero bound, only zeros, any shift)."""
-    headroom = max(0, math.ceil(math.log2(slots))) if slots > 1 else 0
-    return torch.tensor([SHIFT_BASE - (e or 0) - headroom for e in exps], dtype=torch.int64)
+def _headroom(slots: int) -> int:
+    return max(0, math.ceil(math.log2(slots))) if slots > 1 else 0
 
 
-def shifts(global_maxima: torch.Tensor, slots: int) -> torch.Tensor:
-    """int64[segments]: the power of two each segment is scaled by before rounding."""
+def shifts_for(exps: Sequence[int], slots: int) -> tuple[int, ...]:
+    """The power of two each segment is scaled by, for values below 2**e: their scaled values
+    are below 2^(SHIFT_BASE - headroom), so no sum of `slots` of them overflows."""
+    return tuple(SHIFT_BASE - e - _headroom(slots) for e in exps)
+
+
+def shifts(global_maxima: torch.Tensor, slots: int) -> tuple[int, ...]:
+    """The power of two each segment is scaled by before rounding."""
     return shifts_for(exponents(global_maxima[:-1].tolist()), slots)
 
 
-def fits(local: torch.Tensor, exps: Sequence[int | None]) -> bool:
-    """Every segment's local maximum is below its bound 2**e (a zero bound admits only 0)."""
-    return all(m == 0 if e is None else m < math.ldexp(1.0, e) for m, e in zip(local[:-1].tolist(), exps))
-
-
-def bound_exponents(bounds: Sequence[float] | None) -> list[int | None] | None:
-    """e with bound <= 2**e per a priori bound (None for a zero bound); None: no bounds."""
+def bound_exponents(bounds: Sequence[float] | None) -> list[int] | None:
+    """e with bound < 2**e per a priori bound (ZERO_BOUND for a zero bound); None: no bounds."""
     if bounds is None:
         return None
-    return [math.frexp(b)[1] if b > 0 else None for b in bounds]
+    return [math.frexp(b)[1] if b > 0 else ZERO_BOUND for b in bounds]
 
 
-def encode(layout: Layout, slot_vectors: Sequence[torch.Tensor], shift: torch.Tensor) -> torch.Tensor:
-    """int64[total]: the sum over these slots of round_half_even(value x 2^shift) (exact)."""
-    scale = layout.expand(torch.exp2(shift.to(torch.float64)))  # powers of two: exact
-    acc = None
-    for v in slot_vectors:
-        q = torch.round(v.to(torch.float64).mul_(scale)).to(torch.int64)
-        acc = q if acc is None else acc.add_(q)
-    return acc if acc is not None else torch.zeros(layout.total, dtype=torch.int64)
+@functools.lru_cache(maxsize=2)
+def _scale(layout: Layout, shift: tuple[int, ...]) -> torch.Tensor:
+    """2^shift per value (cached: shifts change rarely). float32 when every factor is a normal
+    float32: then v x 2^shift is exact in float32 (a product below the normal range is < 2^-126
+    and rounds to 0 all the same); float64 otherwise, exact for every float32 v."""
+    dtype = torch.float32 if -126 <= min(shift) and max(shift) <= 127 else torch.float64
+    return layout.expand(torch.tensor([math.ldexp(1.0, s) for s in shift], dtype=dtype))
 
 
-def decode(layout: Layout, total: torch.Tensor, shift: torch.Tensor, slots: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=2)
+def _mult(layout: Layout, shift: tuple[int, ...], slots: int) -> torch.Tensor:
+    """float64 2^-shift / slots per value, the decoding factor (cached)."""
+    return layout.expand(torch.tensor([math.ldexp(1.0, -s) for s in shift], dtype=torch.float64) / slots)
+
+
+def _scaled(layout: Layout, v: torch.Tensor, shift: tuple[int, ...]) -> torch.Tensor:
+    """round_half_even(v x 2^shift), exact, as integral floats."""
+    return (v * _scale(layout, shift)).round_()
+
+
+def _add(out: torch.Tensor, q: torch.Tensor, first: bool) -> None:
+    if first:
+        out.copy_(q)  # integral floats: the conversion to int64 is exact
+    else:
+        out.add_(q.to(torch.int64))
+
+
+def encode(layout: Layout, slot_vectors: Sequence[torch.Tensor], shift: tuple[int, ...]) -> torch.Tensor:
+    """int64[total]: the sum over these slots of round_half_even(value x 2^shift) (exact).
+    The values must be finite and below the shift's bound."""
+    out = torch.empty(layout.total, dtype=torch.int64)
+    if not slot_vectors:
+        return out.zero_()
+    for i, v in enumerate(slot_vectors):
+        _add(out, _scaled(layout, v, shift), i == 0)
+    return out
+
+
+def encode_bounded(layout: Layout, slot_vectors: Sequence[torch.Tensor], shift: tuple[int, ...],
+                   slots: int, out: torch.Tensor) -> tuple[int, int]:
+    """`encode` with a priori bounds, checked on the scaled values (|v| < 2^e exactly when
+    |v x 2^shift| < 2^(SHIFT_BASE - headroom)): returns the counters (overflow, non-finite),
+    (1, 0) if some finite value exceeds its bound, (0, 1) if some value is not finite; `out`
+    is then all zeros."""
+    limit = math.ldexp(1.0, SHIFT_BASE - _headroom(slots))
+    over = nonfinite = False
+    for i, v in enumerate(slot_vectors):
+        q = _scaled(layout, v, shift)
+        lo, hi = (float(x) for x in torch.aminmax(q))
+        if not (-limit < lo and hi < limit):  # NaN fails too; a float32 product may overflow to inf
+            if bool(torch.isfinite(v).all()):
+                over = True
+            else:
+                nonfinite = True
+        elif not (over or nonfinite):
+            _add(out, q, i == 0)
+    if over or nonfinite or not slot_vectors:
+        out.zero_()
+    return int(over and not nonfinite), int(nonfinite)
+
+
+def decode(layout: Layout, total: torch.Tensor, shift: tuple[int, ...], slots: int) -> torch.Tensor:
     """float32[total]: the mean over all slots from the all-reduced int64 sum."""
-    mult = layout.expand(torch.exp2(-shift.to(torch.float64)) / slots)
-    return total.to(torch.float64).mul_(mult).to(torch.float32)
+    return total.to(torch.float64).mul_(_mult(layout, shift, slots)).to(torch.float32)
 
 
 def reduce_local(layout: Layout, per_worker: Sequence[Sequence[torch.Tensor]], slots: int,
@@ -133,12 +191,14 @@ def reduce_local(layout: Layout, per_worker: Sequence[Sequence[torch.Tensor]], s
     worker's list of slot vectors. None if any value is non-finite."""
     exps = bound_exponents(bounds)
     if exps is not None:
-        local = [local_maxima(layout, vs) for vs in per_worker]
-        if any(lm[-1] > 0 for lm in local):
+        sh = shifts_for(exps, slots)
+        parts = [torch.empty(layout.total, dtype=torch.int64) for _ in per_worker]
+        over, nonfinite = map(sum, zip(*(encode_bounded(layout, vs, sh, slots, out)
+                                         for vs, out in zip(per_worker, parts))))
+        if nonfinite:
             return None
-        if all(fits(lm, exps) for lm in local):
-            sh = shifts_for(exps, slots)
-            return decode(layout, sum(encode(layout, vs, sh) for vs in per_worker), sh, slots)
+        if not over:
+            return decode(layout, sum(parts), sh, slots)
     m = torch.stack([local_maxima(layout, vs) for vs in per_worker]).max(dim=0).values
     if m[-1] > 0:
         return None
@@ -150,11 +210,13 @@ def reduce_local(layout: Layout, per_worker: Sequence[Sequence[torch.Tensor]], s
 # ----------------------------------------------------------------------------- on a process group
 
 class Waiter:
-    """Waits on async collective work without spinning: a helper thread blocks in
-    `work.wait()` (the GIL released) and sets an event; the abort signal (`interrupt()`, called
-    from the control channel's reader thread) sets the same event. So a survivor leaves at once
-    when the coordinator aborts, instead of sitting out a gloo timeout, and a waiting worker
-    costs no CPU. A helper blocked on an aborted collective ends when that collective fails."""
+    """Waits on async collective work without spinning: the work's future sets an event when it
+    completes (a callback, run by the collective's own thread); the abort signal (`interrupt()`,
+    called from the control channel's reader thread) sets the same event. So a survivor leaves
+    at once when the coordinator aborts, instead of sitting out a gloo timeout, and a waiting
+    worker costs no CPU and starts no thread."""
+
+    safety_net_s = 0.05  # the longest wait between checks, should an event be missed
 
     def __init__(self) -> None:
         self._event: threading.Event | None = None
@@ -168,19 +230,15 @@ class Waiter:
         if not work.is_completed():
             ev = threading.Event()
             self._event = ev
-
-            def block() -> None:
-                try:
-                    work.wait()
-                except Exception:  # noqa: BLE001  (re-raised below by the caller's wait)
-                    pass
-                ev.set()
-            threading.Thread(target=block, daemon=True, name="collective-wait").start()
+            fut = work.get_future()
+            fut.add_done_callback(lambda _: ev.set())
             try:
                 while not work.is_completed():
                     if should_abort():
                         raise Aborted()
-                    ev.wait(0.05)  # the timeout is only a safety net
+                    # short once the future is done: gloo's completes just before its work, a
+                    # CUDA (NCCL) one as soon as it is queued
+                    ev.wait(0.0002 if fut.done() else self.safety_net_s)
                     ev.clear()  # completion and abort are re-checked at the top
             finally:
                 self._event = None
@@ -240,32 +298,32 @@ class SlotReducer:
         someone did, the step falls back to the two rounds. Which path a step takes depends
         only on the state and the slots' values, so it is the same in every replay."""
         import torch.distributed as dist
-        m = local_maxima(self.layout, slot_vectors)
-        before_comm()
-        self.last_rounds = 2
+        layout, slots = self.layout, self.slots
         exps = bound_exponents(bounds)
         if exps is not None:
-            nonfinite = bool(m[-1] > 0)
-            ok = not nonfinite and fits(m, exps)
-            sh = shifts_for(exps, self.slots)
-            data = encode(self.layout, slot_vectors, sh) if ok else torch.zeros(self.layout.total, dtype=torch.int64)
-            buf = self._to_dev(torch.cat([data, torch.tensor([0 if ok or nonfinite else 1, int(nonfinite)])]))
-            allreduce(pg, buf, dist.ReduceOp.SUM, should_abort, self.waiter)
-            buf = buf.cpu()
-            if buf[-1] > 0:
+            sh = shifts_for(exps, slots)
+            buf = torch.empty(layout.total + 2, dtype=torch.int64)
+            buf[-2:] = torch.tensor(encode_bounded(layout, slot_vectors, sh, slots, buf[:-2]))
+        else:
+            m = local_maxima(layout, slot_vectors)
+        before_comm()
+        self.last_rounds = 1
+        if exps is not None:
+            buf = self._allreduce(pg, buf, dist.ReduceOp.SUM, should_abort)
+            over, nonfinite = buf[-2:].tolist()
+            if nonfinite:
                 return None
-            if buf[-2] == 0:
-                self.last_rounds = 1
-                return decode(self.layout, buf[:-2], sh, self.slots)
-        m = self._to_dev(m)
-        allreduce(pg, m, dist.ReduceOp.MAX, should_abort, self.waiter)
-        m = m.cpu()
+            if not over:
+                return decode(layout, buf[:-2], sh, slots)
+            m = local_maxima(layout, slot_vectors)
+        self.last_rounds = 2
+        m = self._allreduce(pg, m, dist.ReduceOp.MAX, should_abort)
         if m[-1] > 0:
             return None
-        sh = shifts(m, self.slots)
-        total = self._to_dev(encode(self.layout, slot_vectors, sh))
-        allreduce(pg, total, dist.ReduceOp.SUM, should_abort, self.waiter)
-        return decode(self.layout, total.cpu(), sh, self.slots)
+        sh = shifts(m, slots)
+        total = self._allreduce(pg, encode(layout, slot_vectors, sh), dist.ReduceOp.SUM, should_abort)
+        return decode(layout, total, sh, slots)
 
-    def _to_dev(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.device == "cpu" else t.to(self.device)
+    def _allreduce(self, pg, t: torch.Tensor, op, should_abort: Callable[[], bool]) -> torch.Tensor:
+        t = t if self.device == "cpu" else t.to(self.device)
+        return allreduce(pg, t, op, should_abort, self.waiter).cpu()

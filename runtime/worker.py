@@ -9,7 +9,7 @@ Launched by `keel run` (one per scenario node), by hand on other machines, or by
 Per generation it builds a fresh gloo group on `PrefixStore("gen{g}/", store)` (lazily
 connected, so forming it never blocks), receives the state from a live peer if it is behind,
 and steps: for each of its slots a forward/backward on that slot's micro-batch, then the
-deterministic two-collective reduction over all slots (reduction.py), then AdamW. Every wait
+deterministic reduction over all slots (one collective in the common case, reduction.py), then AdamW. Every wait
 on a collective polls for the coordinator's abort, so a lost peer never costs a timeout.
 """
 from __future__ import annotations
@@ -365,12 +365,8 @@ class Worker:
                             for sh, wi in zip(b.shards, b.w.tolist()) if not math.isfinite(wi)}
                 self._nonfinite(g, step, sorted(suspects), should_abort)
                 continue  # redo the step with the new quarantine set
-            with torch.no_grad():
-                off = 0
-                for p in self.params:
-                    n = p.numel()
-                    p.grad = mean[off:off + n].view_as(p).to(p.device).clone()
-                    off += n
+            for p, grad in zip(self.params, mean.to(self.device).split(self.layout.sizes)):
+                p.grad = grad.view_as(p)  # views of the fresh mean: nothing else holds it
             self.optimizer.step()
             self.committed = step + 1
             t_total = time.perf_counter() - t0

@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
+import threading
+import time
 
+import pytest
 import torch
 
-from runtime.reduction import Layout, decode, encode, local_maxima, reduce_local, shifts
+from runtime.reduction import (Aborted, CollectiveError, Layout, Waiter, decode, encode, encode_bounded,
+                               local_maxima, reduce_local, shifts)
 
 
 def _slots(n_slots: int, sizes: tuple[int, ...], seed: int = 0, spread: float = 8.0) -> list[torch.Tensor]:
@@ -110,3 +115,91 @@ def test_one_round_with_bounds_is_partition_independent_and_accurate():
         assert torch.equal(got.view(torch.int32), two.view(torch.int32))
     # a zero bound admits only zeros
     assert torch.equal(reduce_local(layout, [vecs], 8, [0.0] + bounds[1:]).view(torch.int32), two.view(torch.int32))
+
+
+def _below(n: int, exp_hi: int, seed: int) -> torch.Tensor:
+    """n float32 values of either sign below 2**exp_hi, exponents down to the subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randint(-160, exp_hi, (n,), generator=g).double()
+    v = (torch.rand(n, generator=g, dtype=torch.float64) + 0.5) * torch.exp2(e - 1) * (torch.randint(0, 2, (n,), generator=g) * 2 - 1)
+    return v.float()
+
+
+def test_encoding_is_exact_in_either_precision():
+    # shifts where 2^shift is a normal float32 (the float32 path), and one beyond (float64)
+    for shifts_ in ((127, -126, 61, 0, 90), (128, 3), (-127, 20)):
+        layout = Layout((500,) * len(shifts_))
+        v = torch.cat([_below(500, min(128, 61 - s), seed=i) for i, s in enumerate(shifts_)])
+        ref = torch.round(v.double() * torch.repeat_interleave(
+            torch.tensor([math.ldexp(1.0, s) for s in shifts_], dtype=torch.float64), 500)).long()
+        assert torch.equal(encode(layout, [v], shifts_), ref), shifts_
+        assert torch.equal(encode(layout, [v, -v, v], shifts_), ref), shifts_
+
+
+def test_bounds_path_counters():
+    layout = Layout((3, 2))
+    sh = (50, 55)  # 2 slots: bounds 2^10 and 2^5
+    ok = torch.tensor([1000.0, -3.0, 0.5, 31.0, -31.0])
+    out = torch.empty(5, dtype=torch.int64)
+    assert encode_bounded(layout, [ok, ok], sh, 2, out) == (0, 0)
+    assert torch.equal(out, encode(layout, [ok, ok], sh))
+    over = ok.clone()
+    over[4] = -32.0
+    huge = ok.clone()
+    huge[3] = 3e38  # scaled by 2^55 in float32: inf, yet finite
+    nan = ok.clone()
+    nan[1] = float("nan")
+    for slots_, want in (([ok, over], (1, 0)), ([huge], (1, 0)), ([nan, ok], (0, 1)), ([over, nan], (0, 1)),
+                         ([ok, torch.tensor([0, 0, float("-inf"), 0, 0])], (0, 1))):
+        out = torch.full((5,), 7, dtype=torch.int64)
+        assert encode_bounded(layout, slots_, sh, 2, out) == want
+        assert not out.any()
+
+
+class _Work:
+    """Async work as gloo gives it: its future completes a moment before is_completed() turns true."""
+
+    def __init__(self):
+        self.fut = torch.futures.Future()
+        self.done_at = math.inf
+        self.fut.add_done_callback(lambda _: setattr(self, "done_at", time.monotonic()))
+
+    def is_completed(self):
+        return time.monotonic() > self.done_at + 0.002
+
+    def get_future(self):
+        return self.fut
+
+    def wait(self):
+        self.fut.wait()
+        return True
+
+
+def _waiter() -> Waiter:
+    w = Waiter()
+    w.safety_net_s = 10.0  # so only the events can end a wait quickly
+    return w
+
+
+def test_waiter_wakes_on_completion_abort_and_error():
+    work = _Work()
+    threading.Timer(0.02, lambda: work.fut.set_result(None)).start()
+    t0 = time.perf_counter()
+    _waiter().wait(work, lambda: False)
+    assert time.perf_counter() - t0 < 2.0
+
+    waiter, flag = _waiter(), threading.Event()
+
+    def abort():
+        flag.set()
+        waiter.interrupt()
+    threading.Timer(0.02, abort).start()
+    t0 = time.perf_counter()
+    with pytest.raises(Aborted):
+        waiter.wait(_Work(), flag.is_set)  # never completes
+    assert time.perf_counter() - t0 < 2.0
+
+    work = _Work()
+    threading.Timer(0.01, lambda: work.fut.set_exception(RuntimeError("Connection closed by peer"))).start()
+    with pytest.raises(CollectiveError):
+        _waiter().wait(work, lambda: False)
