@@ -44,6 +44,7 @@ OPTIONAL = {"spike_rounds": "rounds",  # the twin takes it where given
             "host_pace_per_worker": "1/worker",
             "spike_tail_s": "s"}  # the twin takes these where given
 PRIMITIVES = tuple(UNITS)
+PACE_STEPS = 30  # a fault-free pace run's length (calibrate's and validate's)
 
 
 # ----------------------------------------------------------------------------- the record
@@ -542,7 +543,6 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
     # one spare_takeover_s 0.08 s against 0.01 s)
     run_reps = 5 if quick else 7
     run_steps = 60  # the local scenario's length: faults spaced as its schedule spaces them
-    pace_steps = 30
     world = base.training_nodes
     started = time.perf_counter()
 
@@ -564,7 +564,7 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
                     for i in range(len(group[0]["state_transfer_s"]))]
         say("checkpoint snapshot, write and read")
         ckpt = checkpoint_throughput(base, reps, work)
-        pace = pace_by_workers(base, work / "runs", pace_steps, 2 if quick else 3, say, failures)
+        pace = pace_by_workers(base, work / "runs", PACE_STEPS, 2 if quick else 3, say, failures)
         rec = recovery_primitives(base, run_reps, work / "runs", run_steps, statistics.median(transfer), say,
                                   failures, slot_compute_s=statistics.median(compute))
     finally:
@@ -614,8 +614,8 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
                                                "gate's drawn delay for that step, when the runtime found it a straggler")
     for name, how in (("detect_kill_s", "detect - fault of a SIGKILLed worker, runtime runs"),
                       ("detect_hang_s", "detect - fault of a SIGSTOPped worker, runtime runs"),
-                      ("reform_s", "hung worker: detect to first commit - one step - state copy, runtime runs"),
-                      ("spare_takeover_s", "killed worker, spare takes over: the same, minus reform_s"),
+                      ("reform_s", "rack loss (no spare left): detect to first commit - redo_s - state copy, runtime runs"),
+                      ("spare_takeover_s", "killed worker, spare takes over: the same, minus the rack loss's"),
                       ("restart_s", "checkpoint_restart: restart to first commit - one step, runtime runs")):
         if rec[name]:
             primitives[name] = entry(rec[name], "s", how=how)
@@ -639,7 +639,7 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
                       "slots": base.slot_count, "model": base.to_dict()["model"],
                       "micro_batch": base.workload.micro_batch, "quick": quick,
                       "repetitions": reps, "runtime_runs": run_reps, "runtime_steps": run_steps,
-                      "pace_steps": pace_steps},
+                      "pace_steps": PACE_STEPS},
         "duration_s": round(time.perf_counter() - started, 2),
         "missing": missing,
         "runtime_failures": failures,

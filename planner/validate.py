@@ -245,7 +245,6 @@ def compare(scenario: S.Scenario, predicted: Mapping[str, Any], observed: Sequen
     }
 
 
-PACE_STEPS = 30
 PACED = ("reduce_latency_s", "reduce_gbyte_s", "step_overhead_s", "host_pace_per_worker")  # what a pace run re-measures
 
 
@@ -268,7 +267,7 @@ def pace_run(scenario: S.Scenario, out_dir: Path, progress: bool, name: str = "p
     judged runs), with `workers` training workers where given: the same nodes and slots, the
     others idle as hot spares."""
     from keel.events import read_events
-    from planner.calibrate import throughput_step_s
+    from planner.calibrate import PACE_STEPS, throughput_step_s
     from runtime.api import run_scenario
     sc = scenario
     if workers is not None and workers != scenario.training_nodes:

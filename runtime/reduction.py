@@ -248,13 +248,13 @@ class Waiter:
             raise CollectiveError(str(e)) from e
 
 
-_POLLING = Waiter()
+_DEFAULT_WAITER = Waiter()
 
 
 def wait_work(work, should_abort: Callable[[], bool], waiter: Waiter | None = None) -> None:
     """Wait on async collective work while watching for the coordinator's abort; raises
     `Aborted`, or `CollectiveError` if the collective failed."""
-    (waiter or _POLLING).wait(work, should_abort)
+    (waiter or _DEFAULT_WAITER).wait(work, should_abort)
 
 
 def allreduce(pg, tensor: torch.Tensor, op, should_abort: Callable[[], bool], waiter: Waiter | None = None) -> torch.Tensor:

@@ -327,17 +327,18 @@ class Simulation:
     def _holders(self) -> int:
         return sum(self.holders_per_region.values())
 
-    def _placement(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
-        """Where `count` more slots go among `candidates`: each to the node that would finish
-        soonest. Changes nothing."""
+    def _placement(self, count: int, candidates: list[Node], empty: bool = False) -> list[tuple[str, int]]:
+        """Where `count` more slots go among `candidates` (holding what they hold, or nothing
+        if `empty`): each to the node that would finish soonest. Changes nothing."""
         got: Counter[str] = Counter()
+        held = {n.name: 0 if empty else n.slots for n in candidates}
         if count:
-            heap = [((n.slots + 1) / n.speed, n.index, n) for n in candidates]
+            heap = [((held[n.name] + 1) / n.speed, n.index, n) for n in candidates]
             heapq.heapify(heap)
             for _ in range(count):
                 _, index, best = heap[0]
                 got[best.name] += 1
-                heapq.heapreplace(heap, ((best.slots + got[best.name] + 1) / best.speed, index, best))
+                heapq.heapreplace(heap, ((held[best.name] + got[best.name] + 1) / best.speed, index, best))
         return sorted(got.items(), key=lambda kv: self.nodes[kv[0]].index)
 
     def _place(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
@@ -352,14 +353,7 @@ class Simulation:
         nodes in scenario order, as a fault-free run with that many training nodes has them,
         host sharing included."""
         nodes = self.order[:holders]
-        saved = {n.name: n.slots for n in nodes}
-        for n in nodes:  # _placement counts from the nodes' current slots: from empty ones
-            n.slots = 0
-        try:
-            slots = {n.name: 0 for n in nodes} | dict(self._placement(self.slot_count, nodes))
-        finally:
-            for n in nodes:
-                n.slots = saved[n.name]
+        slots = {n.name: 0 for n in nodes} | dict(self._placement(self.slot_count, nodes, empty=True))
         return self._expected_s(self._shape(with_spikes=False, nodes=nodes, slots=slots))
 
     def _spread_over_regions(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
