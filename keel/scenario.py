@@ -179,6 +179,9 @@ class Validate:
     downtime_rel_tol: float = _doc("median relative error allowed on per-fault downtime", 0.10)
     wall_rel_tol: float = _doc("relative error allowed on wall time", 0.05)
     repetitions: int = _doc("runtime repetitions per validation", 3)
+    pace_steady_tol: float = _doc("largest change of the fault-free pace across a repetition (the pace runs "
+                                  "before and after it) for it to be judged; one outside is run again", 0.15)
+    reruns: int = _doc("repetitions run again at most, per validation, when the pace moved across them", 3)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -533,6 +536,8 @@ def _check(s: Scenario) -> None:
     positive(s.validate.downtime_rel_tol, "validate.downtime_rel_tol")
     positive(s.validate.wall_rel_tol, "validate.wall_rel_tol")
     positive(s.validate.repetitions, "validate.repetitions")
+    positive(s.validate.pace_steady_tol, "validate.pace_steady_tol")
+    positive(s.validate.reruns, "validate.reruns", True)
 
 
 def _connected(s: Scenario, a: str, b: str) -> bool:

@@ -309,6 +309,22 @@ def _episode_times(events: Sequence[Any]) -> dict[int, dict[str, Any]]:
     return out
 
 
+def generation_pace(events: Sequence[Any], gen: int) -> float | None:
+    """The mean step of generation `gen` past its first commit (the redone step) and up to
+    the next fault: what the twin adds for the step a recovery redoes, at the membership it
+    redoes it with. None where fewer than two such commits."""
+    commits = []
+    for e in events:
+        if e.kind == "step" and e.detail.get("gen") == gen:
+            commits.append((e.step, e.t))
+        elif e.kind == "fault" and commits:
+            break
+    if len(commits) < 2 or commits[-1][0] == commits[0][0]:
+        return None
+    (s0, t0), (s1, t1) = commits[0], commits[-1]
+    return (t1 - t0) / (s1 - s0)
+
+
 def _first_commit_after(events: Sequence[Any], t: float) -> float | None:
     return next((e.t for e in events if e.kind == "step" and e.t > t), None)
 
@@ -339,7 +355,7 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
     (one, two beyond 5 absorb runs): a worker is killed.
 
     From each episode: detection = detect - fault; after detection, the time to the first
-    commit minus the redone step (the runtime's `redo_s`) and the modelled state copy is the
+    commit minus the redone step (the next generation's mean step) and the modelled state copy is the
     twin's pause: reform_s for the survivors-only episode (the rack loss), reform_s +
     spare_takeover_s for the spare's. restart_s = first commit after the restart - restart -
     one step."""
@@ -395,8 +411,15 @@ def recovery_primitives(base: S.Scenario, reps: int, workdir: Path, steps: int, 
             mode = "rack" if ep["class"] == "partial_cluster_loss" else ep["detail"]["fault"].get("mode")
             detect = t["detect"] - t["fault"]
             out[{"rack": "detect_rack_s", "hang": "detect_hang_s"}.get(mode, "detect_kill_s")].append(detect)
-            # the redone step as the runtime timed it (its membership's pace, not the run's)
-            redo = ep["detail"]["recover_end"].get("redo_s", step)
+            # the twin adds one step at the new membership's mean pace for the redone step, so
+            # that pace, measured on the generation after, is what is subtracted; the runtime's
+            # own `redo_s` (last worker ready to the commit) came out shorter than the steps
+            # after it (0.06-0.09 s against 0.09-0.11 s on 3 Dec), and taking it made the twin
+            # add back more than it had subtracted
+            end = ep["detail"]["recover_end"]
+            redo = generation_pace(events, end["gen"]) if "gen" in end else None
+            if redo is None:
+                redo = end.get("redo_s", step)
             pause[mode] = t["recover_end"] - t["detect"] - redo - per_slot_copy_s
         # the rack loss leaves no spare: its pause is the survivors re-forming (the hang's is
         # longer: the hung worker is fenced then, and its exit competes with the re-formation)

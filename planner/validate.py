@@ -130,21 +130,72 @@ def training_window(summary: Mapping[str, Any], events: Sequence[Any]) -> dict[s
             "goodput_with_launch": float(summary["goodput"])}
 
 
-def runtime_observation(scenario: S.Scenario, repetitions: int, out_dir: Path, progress: bool,
-                        before_each: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+def observe(scenario: S.Scenario, rep_dir: Path, progress: bool) -> dict[str, Any]:
+    """One runtime repetition into `rep_dir`: its summary, training window and detections."""
     from keel.events import read_events
     from runtime.api import run_scenario
+    summary = run_scenario(scenario, rep_dir, progress=progress)
+    events = read_events(rep_dir / "events.jsonl")
+    return {**summary, **training_window(summary, events), "detect_s": detect_times(events)}
+
+
+def runtime_observation(scenario: S.Scenario, repetitions: int, out_dir: Path,
+                        progress: bool) -> list[dict[str, Any]]:
+    """`repetitions` runtime runs back to back (no pace runs between them)."""
     observed = []
     for k in range(repetitions):
-        if before_each is not None:
-            before_each(k)
         rep_dir = out_dir / "runtime" / f"rep-{k}"
         if progress:
             print(f"validate: runtime repetition {k + 1}/{repetitions} -> {rep_dir}", file=sys.stderr)
-        summary = run_scenario(scenario, rep_dir, progress=progress)
-        events = read_events(rep_dir / "events.jsonl")
-        observed.append({**summary, **training_window(summary, events), "detect_s": detect_times(events)})
+        observed.append(observe(scenario, rep_dir, progress))
     return observed
+
+
+def pace_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> float:
+    """How far the fault-free pace moved across a repetition: the larger relative change of
+    the two pace runs around it (full membership, and the fewest workers where measured)."""
+    changes = [abs(after["step_time_s"] / before["step_time_s"] - 1.0)]
+    if before.get("fewer_step_time_s") and after.get("fewer_step_time_s"):
+        changes.append(abs(after["fewer_step_time_s"] / before["fewer_step_time_s"] - 1.0))
+    return max(changes)
+
+
+def paced_observation(scenario: S.Scenario, repetitions: int, out_dir: Path, progress: bool,
+                      measure_pace: Callable[[int], dict[str, Any]]) -> tuple[list, list, list]:
+    """Repetitions bracketed by pace runs: pace 0, run, pace 1, run, pace 2, ... A run across
+    which the pace moved by more than `validate.pace_steady_tol` ran under a load the pace runs
+    do not describe; it is set aside (moved to `runtime/unsteady-J/`, recorded) and run again,
+    `validate.reruns` times at most in all; past that it is judged and marked unsteady.
+
+    Returns (observed, brackets, set_aside): brackets[k] = {before, after (indices into the
+    pace runs), change, steady} for judged repetition k."""
+    tol, reruns = scenario.validate.pace_steady_tol, scenario.validate.reruns
+    observed: list[dict] = []
+    brackets: list[dict] = []
+    set_aside: list[dict] = []
+    paces = [measure_pace(0)]
+    while len(observed) < repetitions:
+        k = len(observed)
+        rep_dir = out_dir / "runtime" / f"rep-{k}"
+        if progress:
+            print(f"validate: runtime repetition {k + 1}/{repetitions} -> {rep_dir}", file=sys.stderr)
+        obs = observe(scenario, rep_dir, progress)
+        paces.append(measure_pace(len(paces)))
+        before, after = len(paces) - 2, len(paces) - 1
+        change = pace_change(paces[before], paces[after])
+        steady = change <= tol
+        if not steady and len(set_aside) < reruns:
+            moved = out_dir / "runtime" / f"unsteady-{len(set_aside)}"
+            rep_dir.rename(moved)
+            set_aside.append({"dir": str(moved), "pace_before": before, "pace_after": after, "change": change,
+                              "wall_s": obs["wall_s"]})
+            if progress:
+                print(f"validate: the fault-free pace moved {change:.0%} across that run (tolerance {tol:.0%}): "
+                      f"set aside in {moved}, running it again", file=sys.stderr)
+            continue
+        observed.append(obs)
+        brackets.append({"before": before, "after": after, "change": change, "steady": steady})
+    return observed, brackets, set_aside
 
 
 # ----------------------------------------------------------------------------- comparing
@@ -158,14 +209,18 @@ def _match(faults: Sequence[Mapping[str, Any]], ref: Mapping[str, Any]) -> Mappi
     return same[0] if same else None
 
 
-def per_repetition(values: Sequence[float | None], repetitions: int) -> float:
-    """The median over repetitions of each one's predicted value: replica i was run with
-    repetition i mod `repetitions`'s calibration, and each repetition's prediction is the mean
-    of its replicas. A load spike during one repetition moves its prediction as it moves that
-    repetition, so the predicted statistic matches the observed median, not a mean that the
-    spike would pull."""
+def repetition_means(values: Sequence[float | None], repetitions: int) -> list[float]:
+    """Each repetition's predicted value: replica i was run with repetition i mod
+    `repetitions`'s calibration, and a repetition's prediction is the mean of its replicas."""
     groups = [[v for v in values[k::repetitions] if v is not None] for k in range(repetitions)]
-    return statistics.median(statistics.fmean(g) for g in groups if g)
+    return [statistics.fmean(g) for g in groups if g]
+
+
+def per_repetition(values: Sequence[float | None], repetitions: int) -> float:
+    """The median over repetitions of each one's predicted value (`repetition_means`). A load
+    spike during one repetition moves its prediction as it moves that repetition, so the
+    predicted statistic matches the observed median, not a mean that the spike would pull."""
+    return statistics.median(repetition_means(values, repetitions))
 
 
 def compare(scenario: S.Scenario, predicted: Mapping[str, Any], observed: Sequence[Mapping[str, Any]],
@@ -208,6 +263,7 @@ def compare(scenario: S.Scenario, predicted: Mapping[str, Any], observed: Sequen
     good_obs = [o["goodput"] for o in observed]
     wall = {"predicted": central(wall_pred), "observed": statistics.median(wall_obs),
             "observed_reps": wall_obs, "predicted_ci95": interval(wall_pred),
+            "predicted_reps": repetition_means(wall_pred, n_cal) if n_cal == len(observed) else None,
             "launch_s_reps": [o.get("launch_s") for o in observed],
             "note": "training wall time: the runtime's launch (run_start to one step before the first commit) excluded"}
     wall["rel_err"] = rel_err(wall["predicted"], wall["observed"])
@@ -231,7 +287,8 @@ def compare(scenario: S.Scenario, predicted: Mapping[str, Any], observed: Sequen
         "repetitions": len(observed),
         "twin_replicas": len(reps),
         "twin_seeds": predicted["seeds"],
-        "tolerances": {"downtime_rel_tol": tol.downtime_rel_tol, "wall_rel_tol": tol.wall_rel_tol},
+        "tolerances": {"downtime_rel_tol": tol.downtime_rel_tol, "wall_rel_tol": tol.wall_rel_tol,
+                       "pace_steady_tol": tol.pace_steady_tol},
         "faults": faults,
         "unpredicted_faults": [list(x) for x in unpredicted],
         "wall_s": wall,
@@ -282,15 +339,15 @@ def pace_run(scenario: S.Scenario, out_dir: Path, progress: bool, name: str = "p
 
 
 def paced_calibrations(scenario: S.Scenario, calibration: Mapping[str, Any],
-                       paces: Sequence[Mapping[str, Any]]) -> list[dict]:
+                       paces: Sequence[Mapping[str, Any]], brackets: Sequence[Mapping[str, Any]]) -> list[dict]:
     """One calibration per repetition, its load-dependent pace re-measured
-    (`planner.calibrate.refresh_pace`): repetition k is bracketed by pace runs k and k + 1, so
-    it takes their mean (a drift of the machine's load over the repetition cancels to first
-    order); every other primitive is the calibration's."""
+    (`planner.calibrate.refresh_pace`): a repetition is bracketed by the pace runs before and
+    after it, so it takes their mean (a drift of the machine's load over the repetition
+    cancels to first order); every other primitive is the calibration's."""
     from planner.calibrate import refresh_pace
     out = []
-    for k in range(len(paces) - 1):
-        before, after = paces[k], paces[k + 1]
+    for b in brackets:
+        before, after = paces[b["before"]], paces[b["after"]]
         step = (before["step_time_s"] + after["step_time_s"]) / 2
         fewer = None
         if before.get("fewer_step_time_s") is not None:
@@ -327,7 +384,8 @@ def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | No
     The fault-free pace depends on how busy the machine is now, not only on what it is: with
     `refresh_pace`, fault-free runs before the first repetition and after each one (with the
     full membership, and with the fewest workers the schedule leaves where that differs)
-    re-measure it for the twin."""
+    re-measure it for the twin, and a repetition across which it moved is run again
+    (`paced_observation`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if not scenario.faults.schedule:
@@ -339,22 +397,28 @@ def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | No
     fewer = fewest_workers(scenario, cal)
     paces: list[dict] = []
 
-    def measure_pace(k: int) -> None:
+    def measure_pace(k: int) -> dict[str, Any]:
         pace: dict[str, Any] = {"dir": str(out / "runtime" / f"pace-{k}"), "workers": scenario.training_nodes,
                                 "step_time_s": pace_run(scenario, out, progress, f"pace-{k}")}
         if fewer != scenario.training_nodes:
             pace["fewer_workers"] = fewer
             pace["fewer_step_time_s"] = pace_run(scenario, out, progress, f"pace-{k}-{fewer}w", fewer)
         paces.append(pace)
+        return pace
 
     n = repetitions or scenario.validate.repetitions
-    observed = runtime_observation(scenario, n, out, progress, before_each=measure_pace if refresh_pace else None)
     if refresh_pace:
-        measure_pace(n)
-    paced = paced_calibrations(scenario, cal, paces) if refresh_pace else [cal]
+        observed, brackets, set_aside = paced_observation(scenario, n, out, progress, measure_pace)
+        paced = paced_calibrations(scenario, cal, paces, brackets)
+    else:
+        observed, brackets, set_aside = runtime_observation(scenario, n, out, progress), [], []
+        paced = [cal]
     predicted = twin_prediction(scenario, paced, replicas, out, processes)
     comparison = compare(scenario, predicted, observed, cal_path, how)
     comparison["pace_runs"] = paces
+    comparison["pace_brackets"] = brackets
+    comparison["set_aside"] = set_aside
+    comparison["steady"] = all(b["steady"] for b in brackets)
     comparison["calibration_load"] = load_drift(cal, scenario, paces)
     comparison["paced_primitives"] = [{k: c["primitives"][k]["median"] for k in PACED if k in c["primitives"]}
                                       for c in paced] if refresh_pace else []
@@ -396,6 +460,14 @@ def table(c: Mapping[str, Any]) -> str:
         f"(tolerance {tol['downtime_rel_tol']:.0%}): {ok(c['pass']['downtime'])}",
         f"result: {'PASS' if c['pass']['all'] else 'FAIL'}",
     ]
+    for a in c.get("set_aside", []):
+        lines.append(f"set aside and run again: {a['dir']} (the fault-free pace moved {a['change']:.0%} across it, "
+                     f"tolerance {tol.get('pace_steady_tol', 0):.0%})")
+    unsteady = [k for k, b in enumerate(c.get("pace_brackets", [])) if not b["steady"]]
+    if unsteady:
+        lines.append(f"warning: repetition(s) {', '.join(str(k) for k in unsteady)} judged although the fault-free pace "
+                     f"moved more than {tol.get('pace_steady_tol', 0):.0%} across them (no reruns left): the machine's "
+                     "load was not steady, the verdict says more about it than about the twin")
     drift = c.get("calibration_load")
     if drift and drift["warn"]:
         lines.append(f"warning: the calibration was measured at a fault-free step of {drift['calibration_step_s']:.3f} s, "

@@ -57,27 +57,41 @@ def test_calibrate_writes_a_complete_file(calibration):
 
 @pytest.fixture(scope="module")
 def validation(calibration, tmp_path_factory):
-    """One `keel validate` of local-8 (three runtime repetitions), shared by the tests below."""
+    """One `keel validate` of local-8 (its five runtime repetitions), shared by the tests below."""
     path, _ = calibration
     out = tmp_path_factory.mktemp("validate") / "validate"
     p = _keel("validate", str(SCENARIOS / "local-8.toml"), "--calibration", str(path), "--out", str(out), "--json",
-              timeout=500)
+              timeout=900)
     assert p.returncode in (0, 1), p.stderr[-3000:]
     return out, p, json.loads(p.stdout)
 
 
-@pytest.mark.timeout(1040)
+@pytest.mark.timeout(1440)
 def test_validate_writes_a_complete_comparison_and_a_consistent_verdict(validation):
     out, p, comparison = validation
     assert json.loads((out / "comparison.json").read_text()) == comparison
     assert (out / "twin" / "events.jsonl").exists() and (out / "twin" / "summary.json").exists()
+    from keel import scenario as S
+    local = S.load(SCENARIOS / "local-8.toml")
+    n = local.validate.repetitions
     for k in range(comparison["repetitions"]):
         assert (out / "runtime" / f"rep-{k}" / "events.jsonl").exists()
-    assert comparison["repetitions"] == 3 and comparison["calibration_source"] == "given"
+    assert comparison["repetitions"] == n and comparison["calibration_source"] == "given"
+    # every judged run is bracketed by pace runs; one across which the pace moved is set aside
+    brackets, aside = comparison["pace_brackets"], comparison["set_aside"]
+    assert len(brackets) == n and len(comparison["pace_runs"]) == n + len(aside) + 1
+    assert len(aside) <= local.validate.reruns
+    tol = local.validate.pace_steady_tol
+    for a in aside:
+        assert a["change"] > tol and (out / "runtime" / a["dir"].rsplit("/", 1)[-1] / "events.jsonl").exists()
+    for b in brackets:
+        assert b["after"] == b["before"] + 1 and b["steady"] == (b["change"] <= tol)
+        assert b["steady"] or len(aside) == local.validate.reruns
+    assert comparison["steady"] == all(b["steady"] for b in brackets)
     assert {f["class"] for f in comparison["faults"]} == {"hardware_fault", "network_jitter",
                                                            "partial_cluster_loss", "data_shard_skew"}
     for f in comparison["faults"]:
-        assert len(f["observed"]["downtime_s_reps"]) == 3
+        assert len(f["observed"]["downtime_s_reps"]) == n
         lo, hi = f["predicted"]["downtime_ci95"]
         assert lo <= f["predicted"]["downtime_s"] <= hi
         assert f["downtime_rel_err"] == pytest.approx(
@@ -90,7 +104,7 @@ def test_validate_writes_a_complete_comparison_and_a_consistent_verdict(validati
     assert p.returncode == (0 if verdict["all"] else 1)
 
 
-@pytest.mark.timeout(1040)
+@pytest.mark.timeout(1440)
 @pytest.mark.xfail(strict=False, reason="issue 5 is open: per-fault downtime is within 10 % in every measured run, "
                    "but the 5 % wall-time tolerance fails when the machine's load moves during the validation "
                    "(make test on 2 Dec: wall 8.7 %, downtime 4.6 %, its pace runs 0.055-0.069 s); "
@@ -102,6 +116,9 @@ def test_validate_local_8_passes_its_tolerances(validation):
     if drift["warn"]:  # judging the twin needs a calibration measured under the load of the judged runs
         pytest.skip(f"the machine's load changed between calibration and validation: fault-free step "
                     f"{drift['calibration_step_s']:.3f} s then, {drift['validation_step_s']:.3f} s now")
+    if not comparison["steady"]:  # the pace runs around a judged run disagree: no steady load to judge under
+        pytest.skip(f"the machine's load moved across a judged run with no reruns left: "
+                    f"{[round(b['change'], 3) for b in comparison['pace_brackets']]}")
     summary = "; ".join(f"{f['class']} {f['downtime_rel_err']:.0%}" for f in comparison["faults"])
     assert comparison["pass"]["all"], (f"downtime median error {comparison['downtime_median_rel_err']:.1%} "
                                        f"({summary}), wall error {comparison['wall_s']['rel_err']:.1%}")
