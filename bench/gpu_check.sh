@@ -4,6 +4,7 @@
 # step time, local-8's four faults absorbed (downtime, breakdown) and the recovery benchmark
 # (absorb vs checkpoint_restart) for a killed worker.
 #   bash bench/gpu_check.sh            (from the repository root; needs torch with CUDA)
+#   KEEL_DEVICE=cpu bash bench/gpu_check.sh   (the same script on CPU: checks the script itself)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -11,10 +12,13 @@ export KEEL_DEVICE=${KEEL_DEVICE:-cuda}
 export KEEL_BACKEND=${KEEL_BACKEND:-gloo}
 OUT=${OUT:-$(mktemp -d)}
 $PY - <<'PY'
-import torch, sys
-if not torch.cuda.is_available():
+import os, sys, torch
+if not os.environ["KEEL_DEVICE"].startswith("cuda"):
+    print(f"device {os.environ['KEEL_DEVICE']} (not CUDA), torch {torch.__version__}")
+elif not torch.cuda.is_available():
     sys.exit("gpu_check: torch.cuda.is_available() is False; nothing to check here")
-print(f"GPU: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}")
+else:
+    print(f"GPU: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}")
 PY
 S=scenarios/local-8.toml
 SET=(--set model.d_model=128 --set model.layers=4 --set workload.micro_batch=8)

@@ -231,3 +231,37 @@ def test_refreshed_pace_reproduces_both_measured_paces():
     assert sim.fault_free_step_s(sc.training_nodes) == pytest.approx(0.060, rel=0.01)
     assert sim.fault_free_step_s(4) == pytest.approx(0.042, rel=0.01)
     assert refreshed["primitives"]["host_pace_per_worker"]["refreshed"]["fewer_workers"] == 4
+
+
+def test_a_run_across_which_the_pace_moved_is_set_aside_and_run_again(tmp_path, monkeypatch):
+    """validate's steadiness rule, on a scripted sequence of pace runs (the runs themselves are
+    real in tests/test_planner_runtime.py, where the machine decides whether the pace moves)."""
+    from planner import validate as V
+    sc = S.load(SCENARIOS / "local-8.toml", overrides=["validate.repetitions=3", "validate.reruns=2"])
+    runs = []
+
+    def observe(scenario, rep_dir, progress):
+        rep_dir.mkdir(parents=True)
+        (rep_dir / "events.jsonl").write_text(f"run {len(runs)}\n")
+        runs.append(rep_dir)
+        return {"wall_s": float(len(runs))}
+
+    monkeypatch.setattr(V, "observe", observe)
+    # paces: 0.10 | run 0 | 0.12 (+20 %: aside) | run 1 | 0.11 | run 2 | 0.08 (-27 %: aside) |
+    # run 3 | 0.05 (-37 %: no reruns left, judged unsteady) | run 4 | 0.05
+    steps = iter([0.10, 0.12, 0.11, 0.08, 0.05, 0.05])
+    observed, brackets, aside = V.paced_observation(
+        sc, 3, tmp_path, False, lambda k: {"step_time_s": next(steps), "fewer_step_time_s": 0.07,
+                                           "dir": f"pace-{k}"})
+    assert [o["wall_s"] for o in observed] == [2.0, 4.0, 5.0]
+    assert [(b["before"], b["after"], b["steady"]) for b in brackets] == [(1, 2, True), (3, 4, False), (4, 5, True)]
+    assert [(a["pace_before"], a["pace_after"]) for a in aside] == [(0, 1), (2, 3)]
+    assert [a["change"] for a in aside] == pytest.approx([0.2, 3 / 11])
+    # the judged runs sit at rep-K, the ones set aside at unsteady-J, each with its own log
+    assert [(tmp_path / "runtime" / f"rep-{k}" / "events.jsonl").read_text() for k in range(3)] == \
+        ["run 1\n", "run 3\n", "run 4\n"]
+    assert [(tmp_path / "runtime" / f"unsteady-{j}" / "events.jsonl").read_text() for j in range(2)] == \
+        ["run 0\n", "run 2\n"]
+    # the fewer-workers pace counts too
+    assert V.pace_change({"step_time_s": 0.1, "fewer_step_time_s": 0.05},
+                         {"step_time_s": 0.1, "fewer_step_time_s": 0.06}) == pytest.approx(0.2)

@@ -105,10 +105,6 @@ def test_validate_writes_a_complete_comparison_and_a_consistent_verdict(validati
 
 
 @pytest.mark.timeout(1440)
-@pytest.mark.xfail(strict=False, reason="issue 5 is open: per-fault downtime is within 10 % in every measured run, "
-                   "but the 5 % wall-time tolerance fails when the machine's load moves during the validation "
-                   "(make test on 2 Dec: wall 8.7 %, downtime 4.6 %, its pace runs 0.055-0.069 s); "
-                   "see docs/validation.md")
 def test_validate_local_8_passes_its_tolerances(validation):
     _, _, comparison = validation
     drift = comparison["calibration_load"]
