@@ -45,5 +45,5 @@ for e in events:
         print("  breakdown: " + ", ".join(f"{k} {d[k]:.3f} s" for k in ("detect_s", "reform_s", "state_s", "redo_s") if k in d))
 print(f"restarts {hw['restarts']}")
 PY
-echo "== recovery benchmark (absorb vs checkpoint_restart) on CUDA"
+echo "== recovery benchmark (absorb vs checkpoint_restart), device=$KEEL_DEVICE"
 $PY bench/recovery.py --repeats 1

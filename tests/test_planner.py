@@ -262,6 +262,6 @@ def test_a_run_across_which_the_pace_moved_is_set_aside_and_run_again(tmp_path, 
         ["run 1\n", "run 3\n", "run 4\n"]
     assert [(tmp_path / "runtime" / f"unsteady-{j}" / "events.jsonl").read_text() for j in range(2)] == \
         ["run 0\n", "run 2\n"]
-    # the fewer-workers pace counts too
+    # the full membership's pace decides, not the noisier fewest workers'
     assert V.pace_change({"step_time_s": 0.1, "fewer_step_time_s": 0.05},
-                         {"step_time_s": 0.1, "fewer_step_time_s": 0.06}) == pytest.approx(0.2)
+                         {"step_time_s": 0.11, "fewer_step_time_s": 0.065}) == pytest.approx(0.1)
