@@ -202,6 +202,27 @@ def test_compare_judges_median_downtime_error_and_wall_time():
     json.dumps(c, allow_nan=False)
 
 
+def test_wall_time_error_pairs_each_repetition_with_its_own_prediction():
+    """With one paced calibration per repetition (replica i predicts repetition i mod n), the
+    wall-time error is the typical repetition's against its own prediction."""
+    from planner.validate import compare
+    s = S.load(SCENARIOS / "local-8.toml")
+    walls = [10.0, 11.0, 12.0, 10.0, 11.0, 12.0]  # replicas 0-5: repetitions 0, 1, 2, 0, 1, 2
+    predicted = {"reference": _summary([1, 1, 1, 1], 10.0), "seeds": list(range(6)), "calibrations": 3,
+                 "replicas": [_summary([1.0] * 4, w) for w in walls]}
+    observed = [_summary([1.0] * 4, w) for w in (10.2, 11.0, 13.0)]
+    c = compare(s, predicted, observed, "cal.json", "given")
+    w = c["wall_s"]
+    assert w["predicted_reps"] == [10.0, 11.0, 12.0]
+    assert w["rel_err_reps"] == pytest.approx([-0.2 / 10.2, 0.0, -1 / 13])
+    assert w["rel_err"] == pytest.approx(0.2 / 10.2) and w["rel_err_of_medians"] == 0.0
+    assert c["pass"]["wall"] is True
+    # every repetition 8 % longer than its prediction: the paired error says so
+    late = [_summary([1.0] * 4, w * 1.08) for w in (10.0, 11.0, 12.0)]
+    c = compare(s, predicted, late, "cal.json", "given")
+    assert c["wall_s"]["rel_err"] == pytest.approx(0.08 / 1.08) and c["pass"]["wall"] is False
+
+
 def test_validate_uses_an_existing_calibration(tmp_path, monkeypatch):
     from planner.validate import resolve_calibration
     cal = {"primitives": {"slot_compute_s": {"median": 0.01}}}
@@ -247,6 +268,8 @@ def test_a_run_across_which_the_pace_moved_is_set_aside_and_run_again(tmp_path, 
         return {"wall_s": float(len(runs))}
 
     monkeypatch.setattr(V, "observe", observe)
+    stale = tmp_path / "runtime" / "unsteady-5"  # an earlier validation's, in the same place
+    stale.mkdir(parents=True)
     # paces: 0.10 | run 0 | 0.12 (+20 %: aside) | run 1 | 0.11 | run 2 | 0.08 (-27 %: aside) |
     # run 3 | 0.05 (-37 %: no reruns left, judged unsteady) | run 4 | 0.05
     steps = iter([0.10, 0.12, 0.11, 0.08, 0.05, 0.05])
@@ -262,6 +285,7 @@ def test_a_run_across_which_the_pace_moved_is_set_aside_and_run_again(tmp_path, 
         ["run 1\n", "run 3\n", "run 4\n"]
     assert [(tmp_path / "runtime" / f"unsteady-{j}" / "events.jsonl").read_text() for j in range(2)] == \
         ["run 0\n", "run 2\n"]
+    assert not stale.exists() and not (tmp_path / "runtime" / "unsteady-2").exists()
     # the full membership's pace decides, not the noisier fewest workers'
     assert V.pace_change({"step_time_s": 0.1, "fewer_step_time_s": 0.05},
                          {"step_time_s": 0.11, "fewer_step_time_s": 0.065}) == pytest.approx(0.1)

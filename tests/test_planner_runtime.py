@@ -57,7 +57,7 @@ def test_calibrate_writes_a_complete_file(calibration):
 
 @pytest.fixture(scope="module")
 def validation(calibration, tmp_path_factory):
-    """One `keel validate` of local-8 (its five runtime repetitions), shared by the tests below."""
+    """One `keel validate` of local-8 (its seven runtime repetitions), shared by the tests below."""
     path, _ = calibration
     out = tmp_path_factory.mktemp("validate") / "validate"
     p = _keel("validate", str(SCENARIOS / "local-8.toml"), "--calibration", str(path), "--out", str(out), "--json",
