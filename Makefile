@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,ray]'  # ray: tests/test_planner.py runs plan's replicas on a local Ray instance
 	touch $(STAMP)
 
 env: $(STAMP)
