@@ -316,13 +316,12 @@ def generation_pace(events: Sequence[Any], gen: int) -> float | None:
     commits = []
     for e in events:
         if e.kind == "step" and e.detail.get("gen") == gen:
-            commits.append((e.step, e.t))
+            commits.append(e)
         elif e.kind == "fault" and commits:
             break
-    if len(commits) < 2 or commits[-1][0] == commits[0][0]:
+    if len(commits) < 2 or commits[-1].step == commits[0].step:
         return None
-    (s0, t0), (s1, t1) = commits[0], commits[-1]
-    return (t1 - t0) / (s1 - s0)
+    return throughput_step_s(commits, warmup=0)
 
 
 def _first_commit_after(events: Sequence[Any], t: float) -> float | None:

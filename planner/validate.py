@@ -164,20 +164,20 @@ def runtime_observation(scenario: S.Scenario, repetitions: int, out_dir: Path,
 def pace_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> float:
     """How far the fault-free pace moved across a repetition: the relative change of the
     full membership's pace runs around it. (The fewest workers' runs, a shorter stretch of
-    training, moved by up to 22 % between back-to-back runs where the full one moved 7 %:
+    training, moved by up to 21 % between back-to-back runs where the full one moved 7 %:
     they would set aside runs for their own noise, not the machine's load.)"""
     return abs(after["step_time_s"] / before["step_time_s"] - 1.0)
 
 
 def paced_observation(scenario: S.Scenario, repetitions: int, out_dir: Path, progress: bool,
-                      measure_pace: Callable[[int], dict[str, Any]]) -> tuple[list, list, list]:
+                      measure_pace: Callable[[int], dict[str, Any]]) -> tuple[list, list, list, list]:
     """Repetitions bracketed by pace runs: pace 0, run, pace 1, run, pace 2, ... A run across
     which the pace moved by more than `validate.pace_steady_tol` ran under a load the pace runs
     do not describe; it is set aside (moved to `runtime/unsteady-J/`, recorded) and run again,
     `validate.reruns` times at most in all; past that it is judged and marked unsteady.
 
-    Returns (observed, brackets, set_aside): brackets[k] = {before, after (indices into the
-    pace runs), change, steady} for judged repetition k."""
+    Returns (observed, paces, brackets, set_aside): paces = the pace runs in order;
+    brackets[k] = {before, after (indices into paces), change, steady} for judged repetition k."""
     tol, reruns = scenario.validate.pace_steady_tol, scenario.validate.reruns
     observed: list[dict] = []
     brackets: list[dict] = []
@@ -196,7 +196,7 @@ def paced_observation(scenario: S.Scenario, repetitions: int, out_dir: Path, pro
         change = pace_change(paces[before], paces[after])
         steady = change <= tol
         if not steady and len(set_aside) < reruns:
-            moved = fresh(out_dir / "runtime" / f"unsteady-{len(set_aside)}")
+            moved = out_dir / "runtime" / f"unsteady-{len(set_aside)}"  # the stale ones are gone
             rep_dir.rename(moved)
             set_aside.append({"dir": str(moved), "pace_before": before, "pace_after": after, "change": change,
                               "wall_s": obs["wall_s"]})
@@ -206,7 +206,7 @@ def paced_observation(scenario: S.Scenario, repetitions: int, out_dir: Path, pro
             continue
         observed.append(obs)
         brackets.append({"before": before, "after": after, "change": change, "steady": steady})
-    return observed, brackets, set_aside
+    return observed, paces, brackets, set_aside
 
 
 # ----------------------------------------------------------------------------- comparing
@@ -412,7 +412,6 @@ def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | No
     if progress:
         print(f"validate: calibration {cal_path} ({how})", file=sys.stderr)
     fewer = fewest_workers(scenario, cal)
-    paces: list[dict] = []
 
     def measure_pace(k: int) -> dict[str, Any]:
         pace: dict[str, Any] = {"dir": str(out / "runtime" / f"pace-{k}"), "workers": scenario.training_nodes,
@@ -420,15 +419,14 @@ def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | No
         if fewer != scenario.training_nodes:
             pace["fewer_workers"] = fewer
             pace["fewer_step_time_s"] = pace_run(scenario, out, progress, f"pace-{k}-{fewer}w", fewer)
-        paces.append(pace)
         return pace
 
     n = repetitions or scenario.validate.repetitions
     if refresh_pace:
-        observed, brackets, set_aside = paced_observation(scenario, n, out, progress, measure_pace)
+        observed, paces, brackets, set_aside = paced_observation(scenario, n, out, progress, measure_pace)
         paced = paced_calibrations(scenario, cal, paces, brackets)
     else:
-        observed, brackets, set_aside = runtime_observation(scenario, n, out, progress), [], []
+        observed, paces, brackets, set_aside = runtime_observation(scenario, n, out, progress), [], [], []
         paced = [cal]
     predicted = twin_prediction(scenario, paced, replicas, out, processes)
     comparison = compare(scenario, predicted, observed, cal_path, how)

@@ -273,7 +273,7 @@ def test_a_run_across_which_the_pace_moved_is_set_aside_and_run_again(tmp_path, 
     # paces: 0.10 | run 0 | 0.12 (+20 %: aside) | run 1 | 0.11 | run 2 | 0.08 (-27 %: aside) |
     # run 3 | 0.05 (-37 %: no reruns left, judged unsteady) | run 4 | 0.05
     steps = iter([0.10, 0.12, 0.11, 0.08, 0.05, 0.05])
-    observed, brackets, aside = V.paced_observation(
+    observed, _, brackets, aside = V.paced_observation(
         sc, 3, tmp_path, False, lambda k: {"step_time_s": next(steps), "fewer_step_time_s": 0.07,
                                            "dir": f"pace-{k}"})
     assert [o["wall_s"] for o in observed] == [2.0, 4.0, 5.0]
