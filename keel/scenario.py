@@ -221,11 +221,32 @@ class Scenario:
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)
 
+    def plain(self) -> dict[str, Any]:
+        """The resolved scenario as a dict `from_dict` reads back (keys set to None left out)."""
+        return _strip_none(self.to_dict())
+
+    def with_overrides(self, values: typing.Mapping[str, Any] | None = None,
+                       texts: typing.Sequence[str] = ()) -> "Scenario":
+        """This scenario with dotted keys set (`{"policy.hot_spares": 2}`, or `--set` texts
+        such as `"run.steps=20"`), checked like a loaded file; errors name `self.source`."""
+        raw = self.plain()
+        for key, value in (values or {}).items():
+            apply_override(raw, key, value, self.source)
+        return from_dict(raw, self.source, texts)
+
     def config_hash(self) -> str:
         return config_hash(self)
 
 
 # ----------------------------------------------------------------------------- hashing
+
+def _strip_none(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _strip_none(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_strip_none(v) for v in obj]
+    return obj
+
 
 def _to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
