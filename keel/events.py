@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from keel.errors import InputError
+from keel.recovery import ABSORB_ACTION, ENDURE_ACTION, FAIL_ACTION, RESTART_ACTION
 from keel.scenario import FAULT_CLASSES
 
 KINDS = (
     "run_start", "step", "fault", "detect", "recover_start", "recover_end", "reslot",
     "quarantine", "checkpoint_start", "checkpoint_end", "restart", "run_end",
 )
-ACTIONS = ("replicate_resume", "backpressure_reslot", "shard_reweight_failover",
-           "quarantine_resample", "checkpoint_restart")
+ACTIONS = (*ABSORB_ACTION.values(), RESTART_ACTION, ENDURE_ACTION, FAIL_ACTION)
 
 
 class EventLogError(InputError):

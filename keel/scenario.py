@@ -22,14 +22,6 @@ from typing import Any, Literal
 from keel.errors import InputError, read_input
 
 FAULT_CLASSES = ("hardware_fault", "network_jitter", "partial_cluster_loss", "data_shard_skew")
-# The recovery action each fault class gets under the `absorb` policy (ARCHITECTURE.md's table).
-ABSORB_ACTION = {
-    "hardware_fault": "replicate_resume",
-    "network_jitter": "backpressure_reslot",
-    "partial_cluster_loss": "shard_reweight_failover",
-    "data_shard_skew": "quarantine_resample",
-}
-RESTART_ACTION = "checkpoint_restart"
 SPIKE_SPREAD = 0.25  # a latency spike's delay varies by +-this fraction of spike_ms from step to step
 
 
@@ -87,7 +79,8 @@ class Checkpoint:
 class Region:
     name: str = _doc("region name, unique")
     nodes: int = _doc("nodes in the region")
-    gpus_per_node: int = _doc("GPUs per node", 8)
+    gpus_per_node: int = _doc("GPUs per node (capacity is `speed`: a node computes a slot in "
+                                 "step_compute_s / speed whatever its GPU count)", 8)
     intra_gbit_s: float = _doc("per-node bandwidth inside the region, Gbit/s", 400.0)
     intra_latency_ms: float = _doc("one-way latency between two nodes of the region, ms", 0.01)
     speed: float = _doc("relative compute speed of the region's nodes (1.0 = nominal)", 1.0)
@@ -156,7 +149,8 @@ class Policy:
     replace_node_s: float = _doc("checkpoint_restart: time to get a replacement node when no spare is left, s", 600.0)
     straggler_factor: float = _doc("a worker slower than this times the median is a straggler", 1.5)
     straggler_window: int = _doc("consecutive slow steps before a straggler's slots move", 3)
-    quarantine: bool = _doc("quarantine a shard that yields non-finite values", True)
+    quarantine: bool = _doc("quarantine a shard that yields non-finite values and replace its "
+                                "samples; false: such a shard stops the run (failed)", True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -36,14 +36,13 @@ from typing import Any
 
 from keel.errors import InputError, RunFailed
 from keel.events import Event, EventLog
-from keel.scenario import ABSORB_ACTION, RESTART_ACTION, Scenario
+from keel import recovery as R
+from keel.scenario import Scenario
 
 from runtime.inject import Planned, jitter_schedule, planned_faults, poison_schedule, signal_pid
 from runtime.protocol import Channel, parse_address
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STRAGGLER_MIN_EXCESS_S = 0.04  # a straggler is also at least this much slower per slot (noise floor)
-STRAGGLER_WARMUP_STEPS = 2  # the first steps of a generation (lazy connection set-up) are not judged
 JOIN_TIMEOUT_S = 600.0
 
 
@@ -186,6 +185,7 @@ class Coordinator:
         self.total = scenario.run.steps
         self.nodes = scenario.node_names
         self.region_of = {n: n.rsplit("/", 1)[0] for n in self.nodes}
+        self.region_names = [r.name for r in scenario.regions]
         self.order = {n: i for i, n in enumerate(self.nodes)}
         self.training = self.nodes[: scenario.training_nodes]
         self.planned = planned_faults(scenario, no_faults, hangs)
@@ -560,9 +560,20 @@ class Coordinator:
             live += spares[: len(self.training) - len(live)]
         live.sort(key=self.order.get)
         slot_map: dict[str, list[int]] = {n: [] for n in live}
-        for s in range(self.sc.slot_count):
-            slot_map[live[s % len(live)]].append(s)
+        for s, n in enumerate(R.fastest_finish(self.sc.slot_count, self._holders(slot_map, empty=True))):
+            slot_map[n].append(s)
         return {n: v for n, v in slot_map.items() if v}
+
+    def _holders(self, slot_map: dict[str, list[int]], empty: bool = False,
+                 measured: bool = False) -> list[R.Holder]:
+        """The nodes of `slot_map` as keel.recovery sees them; `measured`: capacity from the
+        seconds per slot measured in this run (where known) instead of the region's speed."""
+        def speed(m: str) -> float:
+            if measured:
+                return 1.0 / (self.workers[m].per_slot_s or 1.0)
+            return self.sc.region(self.region_of[m]).speed
+        return [R.Holder(m, self.region_of[m], speed(m), 0 if empty else len(slot_map[m]), self.order[m])
+                for m in sorted(slot_map, key=self.order.get)]
 
     def _initial_generation(self) -> None:
         self.slot_map = self._initial_slot_map()
@@ -649,25 +660,17 @@ class Coordinator:
                 continue
             slots = slot_map.pop(node)
             self.workers[node].parked = list(slots)
-            for slot in slots:
-                dst = min(slot_map, key=lambda m: ((len(slot_map[m]) + 1) * (self.workers[m].per_slot_s or 1.0), self.order[m]))
-                slot_map[dst].append(slot)
-                record(fid, slot, node, dst)
+            spare = self._free_spare(slot_map)
+            plan = R.park_destinations([(node, len(slots))], self._holders(slot_map, measured=True),
+                                       [spare] if spare else [], self.region_names)
+            it = iter(slots)
+            for _, dst, k in plan:
+                for slot in [next(it) for _ in range(k)]:
+                    slot_map.setdefault(dst, []).append(slot)
+                    record(fid, slot, node, dst)
         self.to_park = {}
         # lost workers' slots: a hot spare takes them over, or they spread by capacity
-        lost = [m for m in old if not self.workers[m].alive]
-        for node in sorted(lost, key=self.order.get):
-            fid = self.killed.get(node)
-            ep = self.episodes.get(fid) if fid is not None else None
-            slots = old[node]
-            spare = self._free_spare(slot_map)
-            if ep is not None and ep.action == "shard_reweight_failover" or spare is None:
-                for slot, dst in self._spread(slots, slot_map):
-                    record(fid, slot, node, dst)
-            else:
-                slot_map[spare] = list(slots)
-                for slot in slots:
-                    record(fid, slot, node, spare)
+        self._place_lost(old, slot_map, record)
         if not slot_map:
             spare = self._free_spare(slot_map)
             if spare is None:
@@ -710,32 +713,28 @@ class Coordinator:
                 return n
         return None
 
-    def _spread(self, slots: list[int], slot_map: dict[str, list[int]]) -> list[tuple[int, str]]:
-        """shard_reweight_failover: spread `slots` over the surviving regions in proportion to
-        their capacity (live members x region speed; largest remainder), and inside a region to
-        the member holding the fewest slots."""
-        if not slot_map:
+    def _place_lost(self, old: dict[str, list[int]], slot_map: dict[str, list[int]], record) -> None:
+        """The lost workers' slots, episode by episode (keel.recovery.place_lost_slots): a hot
+        spare takes a lost worker's over, a rack's spread over the other regions by capacity.
+        With no member left, the first free spare receives them all."""
+        by_fault: dict[int | None, list[str]] = {}
+        for node in sorted((m for m in old if not self.workers[m].alive), key=self.order.get):
+            by_fault.setdefault(self.killed.get(node), []).append(node)
+        for fid, nodes in by_fault.items():
+            ep = self.episodes.get(fid) if fid is not None else None
+            action = ep.action if ep is not None else R.ABSORB_ACTION["hardware_fault"]
+            lost = sorted((slot, node) for node in nodes for slot in old[node])
             spare = self._free_spare(slot_map)
-            slot_map[spare] = []
-        regions: dict[str, list[str]] = {}
-        for m in sorted(slot_map, key=self.order.get):
-            regions.setdefault(self.region_of[m], []).append(m)
-        cap = {r: len(ms) * self.sc.region(r).speed for r, ms in regions.items()}
-        total = sum(cap.values())
-        quota = {r: len(slots) * c / total for r, c in cap.items()}
-        counts = {r: int(q) for r, q in quota.items()}
-        rest = len(slots) - sum(counts.values())
-        for r in sorted(quota, key=lambda r: (-(quota[r] - counts[r]), self.nodes.index(regions[r][0])))[:rest]:
-            counts[r] += 1
-        out = []
-        it = iter(slots)
-        for r in sorted(regions, key=lambda r: self.order[regions[r][0]]):
-            for _ in range(counts[r]):
-                slot = next(it)
-                dst = min(regions[r], key=lambda m: (len(slot_map[m]), self.order[m]))
-                slot_map[dst].append(slot)
-                out.append((slot, dst))
-        return out
+            if not slot_map and spare is not None:
+                slot_map[spare] = []
+            survivors = self._holders(slot_map)
+            if not survivors:
+                return  # every worker is lost: _next_generation fails the run
+            picks = R.place_lost_slots(action, len(lost), survivors, [spare] if spare else [],
+                                       self.region_names, lost_region=ep.target if ep is not None else None)
+            for (slot, node), dst in zip(lost, picks):
+                slot_map.setdefault(dst, []).append(slot)
+                record(fid, slot, node, dst)
 
     # ------------------------------------------------------------------------- commits
 
@@ -764,7 +763,7 @@ class Coordinator:
         self.last_commit_t = now
         self.last_progress = now
         self.bar.update(1)
-        if reps and check and k - self.gen_start_step > STRAGGLER_WARMUP_STEPS:
+        if reps and check and k - self.gen_start_step > R.STRAGGLER_WARMUP_STEPS:
             self._watch_stragglers(reps)
         if k >= self.total:
             self.phase = "finishing"
@@ -804,7 +803,7 @@ class Coordinator:
     def _new_episode(self, cls: str, target: str, t: float | None = None, **detail: Any) -> Episode:
         fid = self.fault_counter
         self.fault_counter += 1
-        action = RESTART_ACTION if self.policy.kind == "checkpoint_restart" and cls != "network_jitter" else ABSORB_ACTION[cls]
+        action = R.action_for(cls, self.policy.kind, self.policy.quarantine)
         ep = Episode(fid, cls, target, action, self.now() if t is None else t)
         self.episodes[fid] = ep
         self.emit_ep("fault", ep, t=ep.t, **detail)
@@ -843,7 +842,7 @@ class Coordinator:
             return False
         if p.cls == "partial_cluster_loss":
             live = [n for n in self.nodes if self.region_of[n] == p.target and self.workers.get(n) and self.workers[n].alive]
-            targets = live[: p.params["nodes"]]
+            targets = R.rack_victims(live, p.params["nodes"])
         else:
             targets = [p.target] if self.workers.get(p.target) and self.workers[p.target].alive else []
         ep = self._new_episode(p.cls, p.target, nodes=targets, mode=p.mode)
@@ -915,7 +914,7 @@ class Coordinator:
         for m, v in per.items():
             w = self.workers[m]
             w.per_slot_s = v if w.per_slot_s is None else 0.7 * w.per_slot_s + 0.3 * v
-            slow = v > f * med and v - med > STRAGGLER_MIN_EXCESS_S
+            slow = R.is_straggler(v, med, f)
             ep = self._jitter_episode(m)
             if slow:
                 w.slow += 1
@@ -949,9 +948,8 @@ class Coordinator:
     def _probe(self, w: WorkerState, probe_s: float) -> None:
         """A parked straggler's measured communication delay; back in once it would no longer
         be a straggler for `straggler_window` heartbeats in a row."""
-        med = self.median_per_slot or 0.0
-        threshold = max(STRAGGLER_MIN_EXCESS_S, (self.policy.straggler_factor - 1.0) * med)
-        w.ok_probes = w.ok_probes + 1 if probe_s < threshold else 0
+        good = R.probe_recovered(probe_s, self.median_per_slot or 0.0, self.policy.straggler_factor)
+        w.ok_probes = w.ok_probes + 1 if good else 0
         if w.ok_probes >= self.policy.straggler_window and self.phase == "running" and w.node not in self.to_unpark:
             ep = self._jitter_episode(w.node)
             if ep is not None:
@@ -982,7 +980,7 @@ class Coordinator:
         if not suspects:
             self.failure = f"step {step + 1}: non-finite gradient not attributable to a data shard"
             return
-        if not self.policy.quarantine:
+        if ep.action == R.FAIL_ACTION:
             self.failure = f"step {step + 1}: shard(s) {suspects} yield non-finite values and policy.quarantine is false"
             return
         new = set(suspects) - self.quarantine

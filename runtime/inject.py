@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from keel.recovery import resolve_schedule
 from keel.scenario import Scenario, spike_factor
 
 HANG_ENV = "KEEL_INJECT_HANG"
@@ -39,23 +40,12 @@ class Planned:
 
 
 def planned_faults(scenario: Scenario, no_faults: bool = False, extra_hangs: str | None = None) -> list[Planned]:
+    """The scheduled faults (keel.recovery.resolve_schedule) as injections, plus test hangs."""
+    modes = {"network_jitter": "jitter", "data_shard_skew": "poison"}
     out: list[Planned] = []
     if not no_faults:
-        f = scenario.faults
-        for i, e in enumerate(scenario.faults.schedule):
-            if e.class_ == "network_jitter":
-                params = {"spike_ms": e.spike_ms if e.spike_ms is not None else f.network_jitter.spike_ms,
-                          "duration_s": e.duration_s if e.duration_s is not None else f.network_jitter.duration_s}
-                mode = "jitter"
-            elif e.class_ == "partial_cluster_loss":
-                params = {"nodes": e.nodes if e.nodes is not None else f.partial_cluster_loss.nodes}
-                mode = "kill"
-            elif e.class_ == "data_shard_skew":
-                params = {"shard": int(e.target.split("/")[1])}
-                mode = "poison"
-            else:
-                params, mode = {}, "kill"
-            out.append(Planned(i, e.at_step, e.class_, e.target, params, mode))
+        out = [Planned(r.index, r.at_step, r.cls, r.target, r.params(), modes.get(r.cls, "kill"))
+               for r in resolve_schedule(scenario)]
     hangs = extra_hangs if extra_hangs is not None else os.environ.get(HANG_ENV, "")
     for j, item in enumerate(x for x in hangs.split(",") if x.strip()):
         node, _, step = item.strip().rpartition("@")

@@ -77,7 +77,11 @@ def test_any_scenario_gives_a_consistent_log(case):
     assert {k: v for k, v in summarize(events).items()} == {k: s[k] for k in summarize(events)}
     assert s["restarts"] == sum(1 for e in events if e.kind == "restart")
     if scenario.policy.kind == "checkpoint_restart":
-        assert all(f["action"] in ("checkpoint_restart", None) for f in s["faults"])
+        assert all(f["action"] in ("checkpoint_restart", "endure", "fail_run") for f in s["faults"])
+    fail_ids = {e.fault_id for e in events if e.kind == "fault" and e.action == "fail_run"}
+    assert not fail_ids or not scenario.policy.quarantine
+    if any(e.kind == "detect" and e.fault_id in fail_ids for e in events):
+        assert not s["completed"]  # a bad shard without quarantine stops the run (FAIL_ACTION)
     ids = [e.fault_id for e in events if e.kind == "fault"]
     assert ids == list(range(len(ids)))
     again = twin.simulate(scenario, seed=seed)

@@ -14,9 +14,9 @@ Semantics (docs/design.md for step numbering and fault ids):
   heartbeat, which came a uniform phase before the fault (the spread is capped at twice the
   mean, so a calibrated small mean stays non-negative). A fault on an idle node (spare, or a node
   parked by a re-slot) costs nothing and is only logged.
-- `absorb`: at detection the lost slots move (hardware: to the first hot spare, else to the
-  least-loaded survivors; rack loss: over the surviving regions in proportion to their capacity,
-  speed x GPUs); then the job pauses for reform_s + spare_takeover_s (if a spare took over) + the
+- `absorb`: at detection the lost slots move (keel.recovery.place_lost_slots: hardware: to the
+  first hot spare, else the fastest finish over the survivors; rack loss: over the other
+  surviving regions in proportion to their capacity, the sum of their nodes' speed); then the job pauses for reform_s + spare_takeover_s (if a spare took over) + the
   slowest state copy (the slots' share of weights + optimizer at the routed peer bandwidth), and
   redoes the interrupted step. With no live training node left there is no copy of the state:
   it falls back to a restart from the last checkpoint (a `restart` event).
@@ -25,9 +25,10 @@ Semantics (docs/design.md for step numbering and fault ids):
   straggler_window steps that ran slow; its slots move (to a spare, else to the least-loaded
   nodes; a region's to the other regions) if that makes steps faster, and move back when the
   spike ends. The episode always ends with a `recover_end` when the spike is over.
-- `data_shard_skew`: the step in flight yields NaN at its end and is not committed. absorb
-  (with policy.quarantine) quarantines the shard and redoes the step; otherwise the job rolls
+- `data_shard_skew`: the step in flight yields NaN at its end and is not committed. With
+  policy.quarantine the shard is quarantined; absorb redoes the step, checkpoint_restart rolls
   back to the last checkpoint (a restart). A drawn NaN on a quarantined shard is skipped.
+  Without policy.quarantine the run stops there, failed (`run_end` completed = false).
 - `checkpoint_restart`: any node fault or NaN stops the job: a `restart` at detection, the
   dead nodes replaced by hot spares (else by a new node, + replace_node_s), a pause of
   restart_s + checkpoint load (per-node share / read bandwidth), and the steps since the last
@@ -53,8 +54,6 @@ Semantics (docs/design.md for step numbering and fault ids):
 """
 from __future__ import annotations
 
-import heapq
-import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Generator
@@ -63,17 +62,13 @@ import numpy as np
 import simpy
 
 from keel.events import Event
-from keel.scenario import ABSORB_ACTION, RESTART_ACTION, Scenario, spike_factor
+from keel import recovery as R
+from keel.scenario import Scenario, spike_factor
 from twin.params import TwinParams
 from twin.steps import NormalPool, StepShape
 from twin.topology import Topology
 
 MAX_SEGMENT_STEPS = 1000
-# The runtime's straggler rule (docs/runtime.md; the twin does not import it): a worker is slow
-# when its per-slot time to reach the collective exceeds straggler_factor x the median and the
-# median by at least this much (a noise floor), and the first steps of a generation are not judged.
-STRAGGLER_MIN_EXCESS_S = 0.04
-STRAGGLER_WARMUP_STEPS = 2
 # A run that would take longer than this many times its fault-free time is stopped there
 # (faults faster than it can recover, e.g. a restart longer than the cluster's MTBF): its
 # `run_end` says completed = false, and the goodput counts only the steps it committed.
@@ -215,13 +210,15 @@ class Simulation:
         self.spike_ends: list[int] = []
         self.rejoined = False
         self.quarantined: set[str] = set()
+        self.failure: str | None = None  # why the run stopped, failed (see keel.recovery.FAIL_ACTION)
         self.ckpt_step = 0
         self.ckpt_attempted = 0
         self.writer: simpy.Process | None = None
         self.schedule_fired: set[int] = set()
+        self.schedule = R.resolve_schedule(scenario)
         self.schedule_at: dict[int, list[int]] = {}
-        for i, entry in enumerate(scenario.faults.schedule):
-            self.schedule_at.setdefault(entry.at_step, []).append(i)
+        for entry in self.schedule:
+            self.schedule_at.setdefault(entry.at_step, []).append(entry.index)
         self.wall_limit_s = WALL_LIMIT_FACTOR * scenario.run.steps * self.healthy_step_s
         self.trainer = self.env.process(self._trainer())
 
@@ -327,26 +324,27 @@ class Simulation:
     def _holders(self) -> int:
         return sum(self.holders_per_region.values())
 
+    @staticmethod
+    def _as_holders(candidates: list[Node], empty: bool = False) -> list[R.Holder]:
+        return [R.Holder(n.name, n.region, n.speed, 0 if empty else n.slots, n.index) for n in candidates]
+
+    def _counts(self, picks: list[str]) -> list[tuple[str, int]]:
+        """(node, slots) per receiver of `picks`, in scenario order."""
+        return sorted(Counter(picks).items(), key=lambda kv: self.nodes[kv[0]].index)
+
     def _placement(self, count: int, candidates: list[Node], empty: bool = False) -> list[tuple[str, int]]:
         """Where `count` more slots go among `candidates` (holding what they hold, or nothing
-        if `empty`): each to the node that would finish soonest. Changes nothing."""
-        got: Counter[str] = Counter()
-        held = {n.name: 0 if empty else n.slots for n in candidates}
-        if count:
-            heap = [((held[n.name] + 1) / n.speed, n.index, n) for n in candidates]
-            heapq.heapify(heap)
-            for _ in range(count):
-                _, index, best = heap[0]
-                got[best.name] += 1
-                heapq.heapreplace(heap, ((held[best.name] + got[best.name] + 1) / best.speed, index, best))
-        return sorted(got.items(), key=lambda kv: self.nodes[kv[0]].index)
+        if `empty`): keel.recovery.fastest_finish. Changes nothing."""
+        return self._counts(R.fastest_finish(count, self._as_holders(candidates, empty)))
 
-    def _place(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
-        """Give `count` slots to `candidates`, each to the node that would finish soonest."""
-        placed = self._placement(count, candidates)
+    def _give(self, placed: list[tuple[str, int]]) -> list[tuple[str, int]]:
         for name, k in placed:
             self._update(self.nodes[name], slots=self.nodes[name].slots + k)
         return placed
+
+    def _place(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
+        """Give `count` slots to `candidates`, each to the node that would finish soonest."""
+        return self._give(self._placement(count, candidates))
 
     def fault_free_step_s(self, holders: int) -> float:
         """The expected fault-free step with the run's slots placed over the first `holders`
@@ -356,24 +354,6 @@ class Simulation:
         slots = {n.name: 0 for n in nodes} | dict(self._placement(self.slot_count, nodes, empty=True))
         return self._expected_s(self._shape(with_spikes=False, nodes=nodes, slots=slots))
 
-    def _spread_over_regions(self, count: int, candidates: list[Node]) -> list[tuple[str, int]]:
-        """Largest-remainder apportionment of `count` slots over the candidates' regions by
-        capacity (speed x GPUs), then the fastest finish inside each region."""
-        by_region: dict[str, list[Node]] = {}
-        for n in candidates:
-            by_region.setdefault(n.region, []).append(n)
-        capacity = {r: sum(n.speed * n.gpus for n in ns) for r, ns in by_region.items()}
-        total = sum(capacity.values())
-        quotas = {r: count * c / total for r, c in capacity.items()}
-        shares = {r: int(math.floor(q)) for r, q in quotas.items()}
-        rest = count - sum(shares.values())
-        for r in sorted(quotas, key=lambda r: (-(quotas[r] - shares[r]), self.topology.region_names.index(r)))[:rest]:
-            shares[r] += 1
-        placed: list[tuple[str, int]] = []
-        for r, k in shares.items():
-            if k:
-                placed += self._place(k, by_region[r])
-        return placed
 
     def _shape(self, with_spikes: bool = True, nodes: list[Node] | None = None,
                slots: dict[str, int] | None = None) -> StepShape:
@@ -529,14 +509,9 @@ class Simulation:
         self.info[fid] = info
         return fid
 
-    def _action(self, fault: str) -> str | None:
-        if fault == "network_jitter":
-            return ABSORB_ACTION[fault] if self.absorb else None
-        if not self.absorb:
-            return RESTART_ACTION
-        if fault == "data_shard_skew" and not self.scenario.policy.quarantine:
-            return RESTART_ACTION
-        return ABSORB_ACTION[fault]
+    def _action(self, fault: str) -> str:
+        p = self.scenario.policy
+        return R.action_for(fault, p.kind, p.quarantine)
 
     def strike_nodes(self, fault: str, target: str, names: list[str], scheduled: bool) -> None:
         nodes = [self.nodes[n] for n in names if self.nodes[n].up]
@@ -576,19 +551,15 @@ class Simulation:
 
     def _fire_scheduled(self, index: int, delay: float) -> Generator:
         yield self.env.timeout(delay)
-        entry = self.scenario.faults.schedule[index]
-        f = self.scenario.faults
-        if entry.class_ == "hardware_fault":
+        entry = self.schedule[index]
+        if entry.cls == "hardware_fault":
             self.strike_nodes("hardware_fault", entry.target, [entry.target], True)
-        elif entry.class_ == "partial_cluster_loss":
-            count = entry.nodes if entry.nodes is not None else f.partial_cluster_loss.nodes
-            live = [n.name for n in self.order if n.region == entry.target and n.up][:count]
-            self.strike_nodes("partial_cluster_loss", entry.target, live, True)
-        elif entry.class_ == "network_jitter":
-            spike_ms = entry.spike_ms if entry.spike_ms is not None else f.network_jitter.spike_ms
-            duration = entry.duration_s if entry.duration_s is not None else f.network_jitter.duration_s
-            self.strike_spike(entry.target, spike_ms / 1e3, duration, True)
-        elif not (self.absorb and self.scenario.policy.quarantine and entry.target in self.quarantined):
+        elif entry.cls == "partial_cluster_loss":
+            live = [n.name for n in self.order if n.region == entry.target and n.up]
+            self.strike_nodes("partial_cluster_loss", entry.target, R.rack_victims(live, entry.nodes), True)
+        elif entry.cls == "network_jitter":
+            self.strike_spike(entry.target, entry.spike_ms / 1e3, entry.duration_s, True)
+        elif not R.shard_skipped(self.scenario.policy.quarantine, self.quarantined, entry.target):
             self.strike_shard(entry.target, True)
 
     def _hardware_arrivals(self) -> Generator:
@@ -630,7 +601,7 @@ class Simulation:
         while True:
             yield self.env.timeout(rng.exponential(DAY / self.scenario.faults.data_shard_skew.per_day))
             shard = f"shard/{int(rng.integers(shards))}"
-            if not (self.absorb and self.scenario.policy.quarantine and shard in self.quarantined):
+            if not R.shard_skipped(self.scenario.policy.quarantine, self.quarantined, shard):
                 self.strike_shard(shard, False)
 
     def _detector(self, fid: int, delay: float) -> Generator:
@@ -663,6 +634,9 @@ class Simulation:
         while True:
             while self.queue:
                 self._handle(self.queue.popleft())
+            if self.failure is not None:
+                completed = False
+                break
             if self.detect_at:
                 self._detect_due()
             if self.env.now > self.wall_limit_s:
@@ -689,7 +663,7 @@ class Simulation:
             else:
                 yield from self._segment(self._steps_to_boundary())
         self.emit("run_end", step_time_s=self.healthy_step_s, checkpoint_step=self.ckpt_step,
-                  completed=completed)
+                  completed=completed, **({"failure": self.failure} if self.failure else {}))
         self.finished = True
 
     def _handle(self, cause: Cause) -> None:
@@ -724,20 +698,14 @@ class Simulation:
         lost = sum(n.slots for n in dead)
         for n in dead:
             self._update(n, slots=0, role="down")
-        receivers: list[tuple[str, int]] = []
+        spares = [n.name for n in self._spare_nodes(1)]
+        picks = R.place_lost_slots(info.action, lost, self._as_holders(self._active()), spares,
+                                   self.topology.region_names, lost_region=info.target)
         takeover = 0.0
-        if info.fault == "hardware_fault":
-            spares = self._spare_nodes(1)
-            if spares:
-                self._update(spares[0], role="train")
-                receivers = self._place(lost, [spares[0]])
-                takeover = self.params.spare_takeover_s
-            else:
-                receivers = self._place(lost, self._active())
-        else:
-            survivors = self._active()
-            other = [n for n in survivors if n.region != info.target]
-            receivers += self._spread_over_regions(lost, other or survivors)
+        if spares and spares[0] in picks:
+            self._update(self.nodes[spares[0]], role="train")
+            takeover = self.params.spare_takeover_s
+        receivers = self._give(self._counts(picks))
         assert self.held_slots + sum(self.order[i].slots for i in self.orphans) == self.slot_count, "slots lost"
         self.awaiting_recovery.append(fid)
         self.recovery_s = max(self.recovery_s, self.params.reform_s + takeover + self._transfer_s(receivers))
@@ -820,8 +788,9 @@ class Simulation:
         """The runtime's straggler detection: a spiked worker is slow when its per-slot time to
         reach the collective (its compute + the gate's delay, over its slots) exceeds
         straggler_factor x the median (a healthy slot's compute) and the median by
-        STRAGGLER_MIN_EXCESS_S; `detect` at the first slow commit, the move after
-        straggler_window slow steps; the first STRAGGLER_WARMUP_STEPS of a generation are not judged."""
+        STRAGGLER_MIN_EXCESS_S (keel.recovery.straggler_excess_s); `detect` at the first slow
+        commit, the move after straggler_window slow steps; the first STRAGGLER_WARMUP_STEPS of
+        a generation are not judged."""
         if not self.absorb:
             return
         sp = self.spikes[fid]
@@ -832,10 +801,10 @@ class Simulation:
         med = self.params.slot_compute_s * self._host_factor(self._holders())
         p = self.scenario.policy
         excess = max(delay / n.slots for n in holders)
-        if delay <= 0 or excess <= max(STRAGGLER_MIN_EXCESS_S, (p.straggler_factor - 1.0) * med):
+        if delay <= 0 or excess <= R.straggler_excess_s(med, p.straggler_factor):
             return
         first = self.committed + 1 + (1 if self.carry_s is not None and not sp.in_flight else 0)
-        first = max(first, self.gen_start + STRAGGLER_WARMUP_STEPS + 1)
+        first = max(first, self.gen_start + R.STRAGGLER_WARMUP_STEPS + 1)
         self.detect_at[fid] = first
         self.watches[fid] = first + p.straggler_window - 1
 
@@ -887,25 +856,11 @@ class Simulation:
         self.gen_start = self.committed
 
     def _plan_moves(self, movers: list[Node], spares: list[Node]) -> list[tuple[str, str, int]]:
-        """(from, to, slots) moving the movers' slots to spares one for one, else over the
-        others (the fastest finish for a node, by capacity across regions for a region)."""
-        if len(spares) == len(movers):
-            return [(m.name, s.name, m.slots) for m, s in zip(movers, spares)]
+        """(from, to, slots): keel.recovery.park_destinations."""
         moving = {n.name for n in movers}
         others = [n for n in self._active() if n.name not in moving]
-        saved = {n.name: n.slots for n in others}
-        plan: list[tuple[str, str, int]] = []
-        for m in movers:
-            before = {n.name: n.slots for n in others}
-            if len(movers) == 1:
-                self._place(m.slots, others)
-            else:
-                self._spread_over_regions(m.slots, others)
-            plan += [(m.name, n.name, n.slots - before[n.name]) for n in others if n.slots > before[n.name]]
-        for n in others:
-            if n.slots != saved[n.name]:
-                self._update(n, slots=saved[n.name])
-        return plan
+        return R.park_destinations([(m.name, m.slots) for m in movers], self._as_holders(others),
+                                   [s.name for s in spares], self.topology.region_names)
 
     def _end_spike(self, fid: int) -> Generator:
         sp = self.spikes.pop(fid)
@@ -1057,11 +1012,15 @@ class Simulation:
         for fid in fids:
             info = self.info[fid]
             self.emit_episode("detect", fid, non_finite_step=self.committed + 1)
-            if info.action == "quarantine_resample":
-                self.quarantined.add(info.target)
-                self.emit_episode("quarantine", fid, shard=info.target)
+            if info.action == R.FAIL_ACTION:
+                self.failure = (f"step {self.committed + 1}: {info.target} yields non-finite values "
+                                "and policy.quarantine is false")
+                continue
+            self.quarantined.add(info.target)
+            self.emit_episode("quarantine", fid, shard=info.target)
+            if info.action == R.ABSORB_ACTION["data_shard_skew"]:
                 self.emit_episode("recover_end", fid)
-            else:
+            else:  # checkpoint_restart: the shard is quarantined, then the job restarts
                 self.restart_for.append(fid)
 
 

@@ -1,0 +1,216 @@
+"""The recovery decisions the twin predicts and the runtime makes, each one pure function of
+plain data (standard library only). Both sides call these; tests/test_recovery.py runs both
+on the same inputs and checks they decide the same.
+
+- `action_for`: the recovery action of a fault class under a policy.
+- `shard_skipped`: whether a fault on a data shard can no longer strike (it is quarantined).
+- Slot placement (`Holder`, `fastest_finish`, `spread_over_regions`, `place_lost_slots`,
+  `park_destinations`): where slots go when a node is lost, a straggler is parked, or the run
+  starts. A node's capacity is its region's `speed`: a node computes one slot's micro-batch in
+  `workload.step_compute_s / speed` whatever its `gpus_per_node` (which the scenario already
+  folds into those two figures); a region's capacity is the sum over its live nodes.
+- The straggler rule (`is_straggler`, `probe_recovered`, `STRAGGLER_*`).
+- `resolve_schedule`: each scheduled fault with its class's parameters filled in.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+ABSORB_ACTION = {
+    "hardware_fault": "replicate_resume",
+    "network_jitter": "backpressure_reslot",
+    "partial_cluster_loss": "shard_reweight_failover",
+    "data_shard_skew": "quarantine_resample",
+}
+RESTART_ACTION = "checkpoint_restart"
+# network_jitter under checkpoint_restart: nothing moves, the run sits the spike out
+ENDURE_ACTION = "endure"
+# data_shard_skew with policy.quarantine = false: the shard keeps yielding non-finite values
+# at the same step (it is data, not a transient), so neither redoing the step nor restarting
+# from a checkpoint gets past it; the run stops there, failed, and says why
+FAIL_ACTION = "fail_run"
+
+# A worker is a straggler when its per-slot time to reach the collective exceeds
+# straggler_factor x the median and the median by at least this much (a noise floor) ...
+STRAGGLER_MIN_EXCESS_S = 0.04
+# ... and the first steps of a generation (connection set-up) are not judged.
+STRAGGLER_WARMUP_STEPS = 2
+
+
+def action_for(fault_class: str, policy_kind: str, quarantine: bool) -> str:
+    """The recovery action (an event's `action`) for a fault of `fault_class`."""
+    if fault_class not in ABSORB_ACTION:
+        raise ValueError(f"unknown fault class {fault_class!r}")
+    if fault_class == "data_shard_skew" and not quarantine:
+        return FAIL_ACTION
+    if policy_kind == "checkpoint_restart":
+        return ENDURE_ACTION if fault_class == "network_jitter" else RESTART_ACTION
+    return ABSORB_ACTION[fault_class]
+
+
+def shard_skipped(quarantine: bool, quarantined: Sequence[str] | set[str], shard: str) -> bool:
+    """A quarantined shard's samples are replaced: it yields nothing bad again."""
+    return quarantine and shard in quarantined
+
+
+# ----------------------------------------------------------------------------- slots
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """A live node that can take slots: its name, region, capacity (`speed`, or a measured
+    1 / seconds per slot), the slots it holds now, and its place in scenario order."""
+    name: str
+    region: str
+    speed: float
+    held: int
+    order: int
+
+
+def fastest_finish(count: int, holders: Sequence[Holder]) -> list[str]:
+    """Give `count` slots one at a time, each to the holder that would finish its slots
+    soonest ((held + 1) / speed; ties to the first in scenario order). Returns the receiver
+    of each slot, in the order they were given."""
+    if count <= 0:
+        return []
+    if not holders:
+        raise ValueError("no node to place slots on")
+    got = {h.name: 0 for h in holders}
+    heap = [((h.held + 1) / h.speed, h.order, h) for h in holders]
+    heapq.heapify(heap)
+    picks = []
+    for _ in range(count):
+        _, order, best = heap[0]
+        picks.append(best.name)
+        got[best.name] += 1
+        heapq.heapreplace(heap, ((best.held + got[best.name] + 1) / best.speed, order, best))
+    return picks
+
+
+def region_shares(count: int, holders: Sequence[Holder], region_order: Sequence[str]) -> dict[str, int]:
+    """Largest-remainder apportionment of `count` slots over the holders' regions by capacity
+    (the sum of their holders' speed); remainders tie to the first region in `region_order`."""
+    capacity: dict[str, float] = {}
+    for h in holders:
+        capacity[h.region] = capacity.get(h.region, 0.0) + h.speed
+    total = sum(capacity.values())
+    quotas = {r: count * c / total for r, c in capacity.items()}
+    shares = {r: int(q) for r, q in quotas.items()}
+    rest = count - sum(shares.values())
+    rank = sorted(quotas, key=lambda r: (-(quotas[r] - shares[r]), region_order.index(r)))
+    for r in rank[:rest]:
+        shares[r] += 1
+    return shares
+
+
+def spread_over_regions(count: int, holders: Sequence[Holder], region_order: Sequence[str]) -> list[str]:
+    """`region_shares`, then the fastest finish inside each region; receivers region by
+    region in `region_order`."""
+    if count <= 0:
+        return []
+    if not holders:
+        raise ValueError("no node to place slots on")
+    shares = region_shares(count, holders, region_order)
+    picks: list[str] = []
+    for r in region_order:
+        if shares.get(r):
+            picks += fastest_finish(shares[r], [h for h in holders if h.region == r])
+    return picks
+
+
+def place_lost_slots(action: str, count: int, survivors: Sequence[Holder], spares: Sequence[str],
+                     region_order: Sequence[str], lost_region: str | None = None) -> list[str]:
+    """Where a lost node's (or rack's) `count` slots go under absorb, one receiver per slot.
+    `replicate_resume`: all to the first idle hot spare, else the fastest finish over the
+    survivors. `shard_reweight_failover`: spread over the surviving regions other than the
+    stricken one (`lost_region`) by capacity, or over the survivors if no other region has one."""
+    if action == "shard_reweight_failover":
+        others = [h for h in survivors if h.region != lost_region]
+        return spread_over_regions(count, others or survivors, region_order)
+    if spares:
+        return [spares[0]] * count
+    return fastest_finish(count, survivors)
+
+
+def park_destinations(movers: Sequence[tuple[str, int]], others: Sequence[Holder], spares: Sequence[str],
+                      region_order: Sequence[str]) -> list[tuple[str, str, int]]:
+    """Where parked stragglers' slots go, as (from, to, slots): to idle spares one for one
+    when there are enough, else, for one straggler, the fastest finish over the others, and
+    for several (a region's), spread over the others' regions by capacity."""
+    if len(spares) >= len(movers):
+        return [(name, spare, k) for (name, k), spare in zip(movers, spares)]
+    held = {h.name: h.held for h in others}
+    order = {h.name: h.order for h in others}
+    plan: list[tuple[str, str, int]] = []
+    for name, k in movers:
+        now = [Holder(h.name, h.region, h.speed, held[h.name], h.order) for h in others]
+        picks = fastest_finish(k, now) if len(movers) == 1 else spread_over_regions(k, now, region_order)
+        counts: dict[str, int] = {}
+        for p in picks:
+            counts[p] = counts.get(p, 0) + 1
+            held[p] += 1
+        plan += [(name, to, counts[to]) for to in sorted(counts, key=order.get)]
+    return plan
+
+
+# ----------------------------------------------------------------------------- stragglers
+
+def is_straggler(per_slot_s: float, median_per_slot_s: float, factor: float) -> bool:
+    """A worker whose per-slot time to reach the collective is over `factor` x the median and
+    over the median by STRAGGLER_MIN_EXCESS_S."""
+    return per_slot_s > factor * median_per_slot_s and per_slot_s - median_per_slot_s > STRAGGLER_MIN_EXCESS_S
+
+
+def straggler_excess_s(median_per_slot_s: float, factor: float) -> float:
+    """The delay per slot above which a worker at the median pace becomes a straggler."""
+    return max(STRAGGLER_MIN_EXCESS_S, (factor - 1.0) * median_per_slot_s)
+
+
+def probe_recovered(probe_s: float, median_per_slot_s: float, factor: float) -> bool:
+    """A parked straggler's probe of its path is good when that delay would no longer make it
+    a straggler; `straggler_window` good probes in a row bring it back."""
+    return probe_s < straggler_excess_s(median_per_slot_s, factor)
+
+
+# ----------------------------------------------------------------------------- the schedule
+
+@dataclass(frozen=True, slots=True)
+class ResolvedFault:
+    """A `[[faults.schedule]]` entry with its class's parameters filled in from the class
+    table where the entry does not set them."""
+    index: int
+    at_step: int
+    cls: str
+    target: str
+    spike_ms: float | None = None     # network_jitter
+    duration_s: float | None = None   # network_jitter
+    nodes: int | None = None          # partial_cluster_loss: how many of the region's live nodes
+    shard: int | None = None          # data_shard_skew: the shard's number
+
+    def params(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("spike_ms", "duration_s", "nodes", "shard")
+                if getattr(self, k) is not None}
+
+
+def resolve_schedule(scenario: Any) -> list[ResolvedFault]:
+    """Every scheduled fault of `scenario` (a keel.scenario.Scenario), in file order."""
+    f = scenario.faults
+    out = []
+    for i, e in enumerate(f.schedule):
+        kw: dict[str, Any] = {}
+        if e.class_ == "network_jitter":
+            kw["spike_ms"] = e.spike_ms if e.spike_ms is not None else f.network_jitter.spike_ms
+            kw["duration_s"] = e.duration_s if e.duration_s is not None else f.network_jitter.duration_s
+        elif e.class_ == "partial_cluster_loss":
+            kw["nodes"] = e.nodes if e.nodes is not None else f.partial_cluster_loss.nodes
+        elif e.class_ == "data_shard_skew":
+            kw["shard"] = int(e.target.split("/")[1])
+        out.append(ResolvedFault(i, e.at_step, e.class_, e.target, **kw))
+    return out
+
+
+def rack_victims(live_in_region: Sequence[str], count: int) -> list[str]:
+    """The nodes a scheduled rack loss takes: the region's first `count` live nodes, in
+    scenario order."""
+    return list(live_in_region[:count])
