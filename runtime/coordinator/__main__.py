@@ -1,0 +1,5 @@
+import sys
+
+from runtime.coordinator.core import main
+
+sys.exit(main())

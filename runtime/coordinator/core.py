@@ -1,0 +1,441 @@
+"""The coordinator's process: its sockets, the workers it tracks, the event log it writes, and
+the event loop with one handler per message type the protocol declares (runtime/protocol.py).
+
+What it decides lives beside it: generations and commits (generations.py, on the pure slot
+planner in planning.py), faults and their episodes (faults.py, on episodes.py and the
+straggler watch in stragglers.py), the worker processes (procs.py).
+"""
+from __future__ import annotations
+
+import datetime
+import selectors
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from keel.errors import InputError, RunFailed
+from keel.events import Event, EventLog
+from keel.scenario import Scenario
+
+from runtime.coordinator.episodes import EpisodeBook
+from runtime.coordinator.faults import FaultsMixin
+from runtime.coordinator.generations import JOIN_TIMEOUT_S, GenerationsMixin
+from runtime.coordinator.procs import LocalProcess, start_worker
+from runtime.coordinator.stall import stall_report
+from runtime.coordinator.stragglers import StragglerWatch
+from runtime.inject import planned_faults, poison_schedule, signal_pid
+from runtime.protocol import Channel, parse_address
+
+STALL_MIN_S = 60.0
+
+
+@dataclass
+class WorkerState:
+    node: str
+    chan: Channel | None = None
+    proc: LocalProcess | None = None
+    pid: int | None = None
+    alive: bool = True
+    joined: bool = False
+    last_seen: float = 0.0
+    committed: int = 0
+    role: str = "standby"  # member | standby | dead
+    parked: list[int] | None = None  # slots of a straggler standing by
+    done_sha: str | None = None
+    last_msg: dict | None = None  # the last message other than a heartbeat (for stall reports)
+    last_msg_t: float = 0.0
+    last_hb_t: float = 0.0
+    at: str | None = None  # where the worker says it is (sent with each heartbeat)
+    ready_gen: int = -1
+
+
+class Coordinator(GenerationsMixin, FaultsMixin):
+    """Hosts the rendezvous store and one control connection per worker, tracks the workers
+    by heartbeat, process exit and EOF, and is the single writer of `events.jsonl`."""
+
+    def __init__(self, scenario: Scenario, out_dir: str | Path, *, resume: str | Path | None = None,
+                 no_faults: bool = False, allow_config_change: bool = False, progress: bool = True,
+                 listen: str = "127.0.0.1:0", spawn: bool = True, hangs: str | None = None,
+                 device: str = "cpu", backend: str = "gloo", data_root: str | None = None):
+        self.sc = scenario
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "logs").mkdir(exist_ok=True)
+        self.ckpt_dir = self.out / "checkpoints"
+        self.progress = progress
+        self.spawn_local = spawn
+        self.welcome = {"device": device, "backend": backend, "data_root": data_root,
+                        "allow_config_change": allow_config_change}
+        self.allow_config_change = allow_config_change
+        self.config = scenario.plain()
+        self.config_hash = scenario.config_hash()
+        self.policy = scenario.policy
+        self.total = scenario.run.steps
+        self.nodes = scenario.node_names
+        self.region_of = {n: n.rsplit("/", 1)[0] for n in self.nodes}
+        self.order = {n: i for i, n in enumerate(self.nodes)}
+        self.training = self.nodes[: scenario.training_nodes]
+        self.planned = planned_faults(scenario, no_faults, hangs)
+        self.poison = poison_schedule(self.planned)
+        self.log = EventLog(self.out / "events.jsonl")
+        self.events_start = len(self.log.events)
+        self.t0 = time.monotonic()
+        self.workers: dict[str, WorkerState] = {}
+        self.book = EpisodeBook()
+        self.watch = StragglerWatch(self.policy.straggler_factor, self.policy.straggler_window)
+        self.phase = "joining"
+        self.failure: str | None = None
+        self.bar = None
+        self.pid_history: dict[str, list[int]] = {n: [] for n in self.nodes}
+        self.checkpoints: list[dict[str, Any]] = []
+        self.quarantine: set[int] = set()
+        self.committed = self.start_step = 0
+        self.load_path: str | None = None
+        self.init_generations()
+        self.init_faults()
+        if resume is not None:
+            self._prepare_resume(Path(resume))
+        self.sel = selectors.DefaultSelector()
+        self.host, port = parse_address(listen)
+        import torch.distributed as dist
+        self.store = dist.TCPStore(self.host, 0, None, True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=300))
+        self.listener = socket.create_server((self.host, port), backlog=256)
+        self.listener.setblocking(False)
+        self.port = self.listener.getsockname()[1]
+        self.sel.register(self.listener, selectors.EVENT_READ, None)
+
+    # ------------------------------------------------------------------------- events
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def emit(self, kind: str, *, fault: str | None = None, target: str | None = None,
+             action: str | None = None, t: float | None = None, step: int | None = None,
+             **detail: Any) -> Event:
+        """`step` defaults to the steps committed now (design.md); checkpoint events carry
+        the checkpoint's step instead (the writer reports it before the commit can land)."""
+        e = Event(t=round(max(0.0, self.now() if t is None else t), 6),
+                  step=self.committed if step is None else step, kind=kind,
+                  fault=fault, target=target, action=action, detail=detail)
+        self.log.emit(e)
+        self.last_event_was_commit = kind == "step"
+        return e
+
+    # ------------------------------------------------------------------------- resume
+
+    def _prepare_resume(self, resume: Path) -> None:
+        from runtime import checkpoint as ck
+        refused: list = []
+        latest = None
+        for candidate in (resume / "checkpoints", resume):
+            latest = ck.find_latest(candidate, refused)
+            if latest is not None:
+                break
+        if latest is None:
+            why = "; ".join(f"{p.name}: {'; '.join(pr)}" for p, pr in refused) if refused else "none found"
+            raise InputError(f"--resume {resume}: no complete checkpoint to resume from ({why})")
+        loaded = ck.load_checkpoint(latest, config_hash=self.config_hash, config=self.config,
+                                    allow_config_change=self.allow_config_change)
+        for w in loaded.warnings:
+            print(f"keel: warning: {w}", file=sys.stderr)
+        self.load_path = str(latest)
+        self.committed = self.start_step = int(loaded.step)
+        self.quarantine = set(loaded.data_state.get("quarantine", ()))
+        if self.committed >= self.total:
+            raise InputError(f"--resume {resume}: the checkpoint is at step {self.committed}, run.steps is {self.total}")
+
+    # ------------------------------------------------------------------------- workers
+
+    def spawn(self, node: str, fresh_interpreter: bool = False) -> None:
+        """Start the worker of `node` on this machine (procs.start_worker)."""
+        log_path = self.out / "logs" / (node.replace("/", "_") + ".log")
+        proc = start_worker(node, f"{self.host}:{self.port}", log_path, fresh_interpreter)
+        old = self.workers.get(node)
+        if old is not None and old.chan is not None:
+            self._drop_channel(old)
+        self.book.killed.pop(node, None)
+        self.watch.forget(node)
+        self.workers[node] = WorkerState(node=node, proc=proc, pid=proc.pid, last_seen=time.monotonic())
+        self.pid_history[node].append(proc.pid)
+
+    def _drop_channel(self, w: WorkerState) -> None:
+        if w.chan is not None:
+            try:
+                self.sel.unregister(w.chan.sock)
+            except (KeyError, ValueError):
+                pass
+            w.chan.close()
+            w.chan = None
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            sock.setblocking(True)
+            self.sel.register(sock, selectors.EVENT_READ, Channel(sock))
+
+    def _assign_node(self, msg: dict) -> str | None:
+        node = msg.get("node")
+        if node:
+            return node if node in self.order else None
+        free = [n for n in self.nodes if n not in self.workers or not self.workers[n].alive]
+        hint = msg.get("rank_hint")
+        if isinstance(hint, int) and 0 <= hint < len(self.nodes) and self.nodes[hint] in free:
+            return self.nodes[hint]
+        return free[0] if free else None
+
+    def _on_hello(self, chan: Channel, msg: dict) -> str | None:
+        node = self._assign_node(msg)
+        if node is None:
+            chan.send({"type": "refused", "reason": "no such node, or every node is taken"})
+            self.sel.unregister(chan.sock)
+            chan.close()
+            return None
+        w = self.workers.get(node)
+        if w is None or (not self.spawn_local and not w.alive):
+            w = self.workers[node] = WorkerState(node=node, last_seen=time.monotonic())
+        if w.chan is not None and w.chan is not chan:
+            self._drop_channel(w)
+        w.chan = chan
+        self.sel.modify(chan.sock, selectors.EVENT_READ, (chan, node))
+        w.pid = int(msg.get("pid") or 0) or w.pid
+        if w.proc is None and w.pid and w.pid not in self.pid_history[node]:
+            self.pid_history[node].append(w.pid)
+        w.last_seen = time.monotonic()
+        chan.send({"type": "welcome", "node": node, "scenario": self.config, "source": self.sc.source,
+                   "store_port": self.store.port, "store_host": self.host, "config_hash": self.config_hash,
+                   "out_dir": str(self.out.resolve()), "local_index": self.order[node], **self.welcome})
+        return node
+
+    # ------------------------------------------------------------------------- the loop
+
+    def run(self) -> dict[str, Any]:
+        from keel.progress import progress_bar
+        self.t0 = time.monotonic()
+        self.bar = progress_bar(total=self.total, initial=self.committed, desc=self.sc.run.name, unit="step",
+                                enabled=self.progress)
+        self.emit("run_start", nodes=len(self.nodes), slots=self.sc.slot_count, policy=self.policy.kind,
+                  hot_spares=self.policy.hot_spares, config_hash=self.config_hash, seed=self.sc.run.seed,
+                  start_step=self.start_step, resume_from=self.load_path, coordinator=f"{self.host}:{self.port}")
+        try:
+            if self.spawn_local:
+                for n in self.nodes:
+                    self.spawn(n)
+            self.join_deadline = time.monotonic() + JOIN_TIMEOUT_S
+            while self.phase != "finished":
+                self._tick()
+                if self.failure:
+                    raise RunFailed(self.failure)
+            return self._finish()
+        finally:
+            self.bar.close()
+            self._shutdown()
+
+    def _tick(self) -> None:
+        timeout = 0.002 if self.phase == "aborting" else min(0.02, self.policy.heartbeat_s / 2)
+        for key, _ in self.sel.select(timeout):
+            if key.data is None:
+                self._accept()
+            else:
+                self._read(key)
+        now = time.monotonic()
+        for w in list(self.workers.values()):
+            if not w.alive:
+                continue
+            if w.proc is not None and w.proc.poll() is not None:
+                self._lost(w, f"process exited ({w.proc.returncode})")
+            elif w.joined and now - w.last_seen > self.policy.detect_timeout_s:
+                self._lost(w, f"no heartbeat for {now - w.last_seen:.2f} s")
+        if self.phase == "joining":
+            self._check_joined()
+        elif self.phase == "aborting":
+            if not self.pending_acks:
+                self._next_generation()
+            elif now > self.abort_deadline:
+                for n in sorted(self.pending_acks):
+                    self._lost(self.workers[n], "did not leave the aborted generation in time")
+        stall = max(STALL_MIN_S, 20 * self.policy.detect_timeout_s)
+        if self.phase in ("running", "aborting", "finishing") and now - self.last_progress > stall:
+            self.failure = self._stall(stall)
+
+    def _read(self, key: selectors.SelectorKey) -> None:
+        chan, node = key.data if isinstance(key.data, tuple) else (key.data, None)
+        msgs = chan.recv_ready()
+        if msgs is None:  # EOF: the connection is gone
+            try:
+                self.sel.unregister(chan.sock)
+            except (KeyError, ValueError):
+                pass
+            chan.close()
+            if node is not None and self.workers[node].chan is chan:
+                self.workers[node].chan = None
+                self._lost(self.workers[node], "connection closed")
+            return
+        for msg in msgs:
+            if node is None:  # a connection says hello before anything else counts
+                if msg.get("type") == "hello":
+                    node = self._on_hello(chan, msg)
+                continue
+            self._on_message(self.workers[node], msg)
+
+    # ------------------------------------------------------------------------- messages
+
+    def _on_message(self, w: WorkerState, msg: dict) -> None:
+        w.last_seen = time.monotonic()
+        kind = msg.get("type")
+        if kind == "hb":
+            w.last_hb_t = w.last_seen
+            w.at = msg.get("at", w.at)
+        else:
+            w.last_msg, w.last_msg_t = msg, w.last_seen
+        handler = self.HANDLERS.get(kind)
+        if handler is not None:
+            handler(self, w, msg)
+
+    def _on_hb(self, w: WorkerState, msg: dict) -> None:
+        if w.parked is not None and "probe_s" in msg:
+            self._probe(w, float(msg["probe_s"]))
+
+    def _on_joined(self, w: WorkerState, msg: dict) -> None:
+        w.joined = True
+        w.committed = int(msg.get("committed", 0))
+
+    def _on_step(self, w: WorkerState, msg: dict) -> None:
+        if int(msg["gen"]) == self.gen and w.role == "member":
+            w.committed = int(msg["step"])
+            self.reports.setdefault(int(msg["step"]), {})[w.node] = msg
+            if self.phase == "running":
+                self._try_commit()
+
+    def _on_ready(self, w: WorkerState, msg: dict) -> None:
+        t = self.gen_t.setdefault(int(msg["gen"]), {})
+        t["pg_s"] = max(t.get("pg_s", 0.0), float(msg["pg_s"]))
+        t["state_s"] = max(t.get("state_s", 0.0), float(msg["state_s"]))
+        t["ready"] = time.monotonic()
+        w.ready_gen = max(w.ready_gen, int(msg["gen"]))
+
+    def _on_nonfinite(self, w: WorkerState, msg: dict) -> None:
+        if int(msg["gen"]) == self.gen and self.phase == "running":
+            self.nonfinite.setdefault(int(msg["step"]), {})[w.node] = list(msg["suspects"])
+            self._try_nonfinite(int(msg["step"]))
+
+    def _on_aborted(self, w: WorkerState, msg: dict) -> None:
+        w.committed = int(msg["committed"])
+        if int(msg["gen"]) == self.gen:
+            self.pending_acks.discard(w.node)
+
+    def _on_ckpt_start(self, w: WorkerState, msg: dict) -> None:
+        # the lowest rank reports its checkpoint right after its own step report, often before
+        # the others' reports let the coordinator commit that step: the event carries the
+        # checkpoint's step, never committed - 1
+        k = int(msg["step"])
+        self.emit("checkpoint_start", step=k, mode=msg.get("mode"), ckpt_step=k, node=w.node)
+
+    def _on_ckpt_end(self, w: WorkerState, msg: dict) -> None:
+        entry = {"step": int(msg["step"]), "path": msg.get("path"), "stall_s": msg.get("stall_s"),
+                 "write_s": msg.get("write_s"), "node": w.node}
+        if msg.get("error"):
+            entry["error"] = msg["error"]
+        self.checkpoints.append(entry)
+        self.emit("checkpoint_end", step=max(self.committed, entry["step"]), ckpt_step=entry["step"],
+                  stall_s=entry["stall_s"], write_s=entry["write_s"], path=entry["path"], node=w.node,
+                  **({"error": entry["error"]} if "error" in entry else {}))
+
+    def _on_done(self, w: WorkerState, msg: dict) -> None:
+        w.done_sha = msg["sha256"]
+        w.committed = int(msg["committed"])
+        if self.phase == "finishing":
+            self._check_finished()
+
+    def _on_error(self, w: WorkerState, msg: dict) -> None:
+        self.failure = f"worker {w.node} failed:\n{msg.get('message', '')}"
+
+    HANDLERS = {"hb": _on_hb, "joined": _on_joined, "step": _on_step, "ready": _on_ready,
+                "nonfinite": _on_nonfinite, "aborted": _on_aborted, "ckpt_start": _on_ckpt_start,
+                "ckpt_end": _on_ckpt_end, "done": _on_done, "error": _on_error}
+
+    # ------------------------------------------------------------------------- stalls
+
+    def _stall(self, stall: float) -> str:
+        """The stall report (stall.stall_report); local workers also dump every thread's stack
+        into their logs (SIGUSR1, faulthandler). Written next to events.jsonl as well."""
+        lines = stall_report(stall=stall, phase=self.phase, gen=self.gen, committed=self.committed,
+                             gen_start_step=self.gen_start_step, nodes=self.nodes, workers=self.workers,
+                             members=self.members, next_reports=self.reports.get(self.committed + 1, {}),
+                             pending_acks=self.pending_acks, now=time.monotonic())
+        dumped = [w.node for w in self.workers.values()
+                  if w.alive and w.joined and w.proc is not None and w.proc.poll() is None
+                  and w.proc.signal(signal.SIGUSR1)]
+        if dumped:
+            lines.append(f"  thread stacks of {len(dumped)} local workers dumped to {self.out / 'logs'}/<node>.log")
+        report = "\n".join(lines)
+        try:  # next to events.jsonl, for whoever finds the run's directory later
+            (self.out / "stall.txt").write_text(report + "\n")
+        except OSError:
+            pass
+        return report
+
+    # ------------------------------------------------------------------------- the end
+
+    def _finish(self) -> dict[str, Any]:
+        from keel.metrics import summarize
+        self.emit("run_end", step_time_s=self.fault_free_step_time(), restarts=self.restarts,
+                  generations=self.gen + 1, final_weights_sha256=self.final_sha)
+        summary = summarize(self.log.events[self.events_start:])
+        if self.start_step:
+            summary["steps"] = self.committed
+        summary.update({
+            "tool": "runtime", "scenario": self.sc.run.name, "config_hash": self.config_hash,
+            "seed": self.sc.run.seed, "nodes": len(self.nodes), "regions": [r.name for r in self.sc.regions],
+            "policy": self.policy.kind, "start_step": self.start_step,
+            "losses": [self.losses[k] for k in range(self.start_step + 1, self.committed + 1)],
+            "final_weights_sha256": self.final_sha, "checkpoints": self.checkpoints,
+            "pids": {n: list(p) for n, p in self.pid_history.items()},
+            "generations": self.gen + 1, "quarantine": sorted(self.quarantine),
+            "slot_map": {m: self.slot_map[m] for m in self.members},
+        })
+        return summary
+
+    def _shutdown(self) -> None:
+        for w in self.workers.values():
+            if w.alive and w.chan is not None:
+                w.chan.send({"type": "stop"})
+        deadline = time.monotonic() + 10.0
+        for w in self.workers.values():
+            if w.proc is not None:
+                w.proc.stop(deadline - time.monotonic())
+        for w in self.workers.values():
+            self._drop_channel(w)
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+        self.log.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m runtime.coordinator SCENARIO --listen HOST:PORT --out DIR`: a coordinator
+    that waits for workers started elsewhere (by hand or by torchrun)."""
+    import argparse
+
+    from keel.rundir import write_summary
+    from keel.scenario import load
+    p = argparse.ArgumentParser(prog="python -m runtime.coordinator")
+    p.add_argument("scenario")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--listen", default="127.0.0.1:29400")
+    p.add_argument("--out", required=True)
+    p.add_argument("--no-faults", action="store_true")
+    args = p.parse_args(argv)
+    sc = load(args.scenario, args.overrides)
+    coord = Coordinator(sc, args.out, listen=args.listen, spawn=False, no_faults=args.no_faults)
+    print(f"coordinator listening on {coord.host}:{coord.port}", file=sys.stderr, flush=True)
+    write_summary(args.out, coord.run())
+    return 0

@@ -1,0 +1,103 @@
+"""Process management: the worker processes this coordinator starts on its own machine.
+
+A worker is forked from a fork server that imported torch once (fast: what absorb pays to
+replace nothing, and what a hot spare already is), or started as a fresh interpreter that
+imports everything again (what a torchrun relaunch pays: the checkpoint_restart baseline).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from keel.paths import REPO_ROOT
+from runtime.inject import signal_pid
+
+_FORKSERVER = None
+
+
+def _forkserver():
+    """A multiprocessing fork server that has imported the worker (and torch) once."""
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        import multiprocessing
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["runtime.preload"])
+        _FORKSERVER = ctx
+    return _FORKSERVER
+
+
+def forked_worker(address: str, node: str, log_path: str) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    from runtime import worker
+    os._exit(worker.main(["--coordinator", address, "--node", node, "--die-with-parent"]) or 0)
+
+
+class LocalProcess:
+    """A worker process this coordinator started: a Popen or a multiprocessing Process."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        if not isinstance(handle, subprocess.Popen):
+            # the worker needs nothing from __main__: keep multiprocessing from re-importing the
+            # caller's main module in it (a script, pytest, or stdin, which cannot be)
+            main = sys.modules["__main__"]
+            saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+            main.__dict__.pop("__file__", None)
+            main.__spec__ = None
+            try:
+                handle.start()
+            finally:
+                main.__dict__.pop("__spec__", None)
+                main.__dict__.update(saved)
+        self.pid = handle.pid
+
+    def poll(self) -> int | None:
+        if isinstance(self.handle, subprocess.Popen):
+            return self.handle.poll()
+        return self.handle.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if isinstance(self.handle, subprocess.Popen):
+            return self.handle.wait(timeout)
+        self.handle.join(timeout)
+        if self.handle.exitcode is None:
+            raise subprocess.TimeoutExpired("worker", timeout)
+        return self.handle.exitcode
+
+    def signal(self, sig: int) -> bool:
+        return signal_pid(self.pid, sig)
+
+    def stop(self, timeout: float) -> None:
+        """Wait up to `timeout` for it to exit, then SIGKILL it."""
+        if self.poll() is not None:
+            return
+        try:
+            self.wait(max(0.1, timeout))
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.wait()
+
+
+def start_worker(node: str, address: str, log_path: Path, fresh_interpreter: bool = False) -> LocalProcess:
+    """Start the worker of `node`, joining the coordinator at `address`, its output in `log_path`."""
+    if not fresh_interpreter:
+        return LocalProcess(_forkserver().Process(target=forked_worker, args=(address, node, str(log_path)),
+                                                  name=f"keel-worker-{node}"))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0")
+    env.pop("RANK", None)
+    cmd = [sys.executable, "-m", "runtime.worker", "--coordinator", address, "--node", node, "--die-with-parent"]
+    with open(log_path, "ab") as log:
+        return LocalProcess(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                             cwd=str(REPO_ROOT)))

@@ -1,0 +1,69 @@
+"""The straggler watch: from each committed step's measured timings, which member is slow,
+which must be parked, and which has come back (keel.recovery's rule, applied to the
+runtime's measurements). State in, verdicts out; no processes, no events."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from keel import recovery as R
+
+
+@dataclass(frozen=True)
+class Verdict:
+    node: str
+    slow: bool
+    per_slot_s: float
+    median_per_slot_s: float
+    park: bool = False   # slow for straggler_window steps in a row: park it (the watch stops here)
+
+
+@dataclass
+class StragglerWatch:
+    factor: float
+    window: int
+    median_per_slot: float | None = None                  # smoothed median seconds per slot
+    per_slot: dict[str, float] = field(default_factory=dict)  # smoothed, per worker
+    slow: dict[str, int] = field(default_factory=dict)         # slow steps in a row
+    ok_probes: dict[str, int] = field(default_factory=dict)    # good probes in a row, while parked
+
+    def new_generation(self, members: list[str]) -> None:
+        for m in members:
+            self.slow[m] = 0
+
+    def judge(self, reports: Mapping[str, Mapping], may_park: bool) -> list[Verdict]:
+        """One committed step's reports ({member: {"ready_s", "slots"}}): a member is slow
+        when its seconds per slot to reach the collective break keel.recovery.is_straggler
+        against the median; the first member slow `window` steps in a row is parked (if
+        `may_park`), and members after it are not judged this step."""
+        per = {m: float(r["ready_s"]) / max(1, int(r["slots"])) for m, r in reports.items()}
+        if len(per) < 2:
+            return []
+        med = statistics.median(per.values())
+        self.median_per_slot = med if self.median_per_slot is None else 0.8 * self.median_per_slot + 0.2 * med
+        out = []
+        for m, v in per.items():
+            prev = self.per_slot.get(m)
+            self.per_slot[m] = v if prev is None else 0.7 * prev + 0.3 * v
+            slow = R.is_straggler(v, med, self.factor)
+            self.slow[m] = self.slow.get(m, 0) + 1 if slow else 0
+            park = slow and may_park and self.slow[m] >= self.window
+            out.append(Verdict(m, slow, v, med, park))
+            if park:
+                break
+        return out
+
+    def probe(self, node: str, probe_s: float) -> bool:
+        """A parked straggler's probe of its path; True once `window` in a row were good."""
+        good = R.probe_recovered(probe_s, self.median_per_slot or 0.0, self.factor)
+        self.ok_probes[node] = self.ok_probes.get(node, 0) + 1 if good else 0
+        return self.ok_probes[node] >= self.window
+
+    def back_in(self, node: str) -> None:
+        self.ok_probes[node] = 0
+
+    def forget(self, node: str) -> None:
+        """A fresh process for `node`: nothing measured of the old one counts."""
+        for book in (self.per_slot, self.slow, self.ok_probes):
+            book.pop(node, None)

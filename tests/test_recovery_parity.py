@@ -1,0 +1,123 @@
+"""Parity: the twin and the runtime decide the same on the same inputs (keel/recovery.py is
+the one place the rules live; these tests run both sides on one scenario and compare).
+
+The runtime's slot decisions are checked through its pure planner (runtime.coordinator.planning,
+what the coordinator calls when a generation ends); its per-fault actions through a real run."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+import twin
+from keel.errors import RunFailed
+from keel.events import read_events
+from keel.scenario import loads
+from runtime.coordinator.planning import Loss, View, WorkerView, initial_slot_map, plan_generation
+
+# three regions with different GPU counts and speeds: a region's capacity is its nodes' speed
+REGIONS = [("r0", 2, 8, 1.0), ("r1", 2, 1, 2.0), ("r2", 3, 4, 1.0)]
+
+
+def mixed(faults: str, *, slots: int = 14, hot_spares: int = 0, extra: str = "") -> str:
+    text = f'[run]\nname = "parity"\nseed = 3\nsteps = 30\n[workload]\nslots = {slots}\nstep_compute_s = 1.0\n'
+    for name, nodes, gpus, speed in REGIONS:
+        text += f'[[regions]]\nname = "{name}"\nnodes = {nodes}\ngpus_per_node = {gpus}\nspeed = {speed}\n'
+    text += '[[links]]\na = "r0"\nb = "r1"\nrtt_ms = 10.0\n[[links]]\na = "r1"\nb = "r2"\nrtt_ms = 10.0\n'
+    text += f"[policy]\nhot_spares = {hot_spares}\n{extra}\n{faults}"
+    return text
+
+
+def twin_moves(sc, kind: str = "reslot") -> Counter:
+    """Slots per receiver in the twin's first `reslot` event."""
+    e = next(e for e in twin.simulate(sc).events if e.kind == kind)
+    return Counter({name: int(k) for name, k in (x.rsplit(":", 1) for x in e.detail["to"])})
+
+
+def runtime_view(sc, dead=(), losses=None, **kw) -> tuple[View, dict]:
+    nodes = tuple(sc.node_names)
+    workers = {n: WorkerView(committed=5) for n in nodes}
+    base = View(nodes=nodes, region_speed={r.name: r.speed for r in sc.regions}, slot_map={}, workers=workers,
+                committed=5)
+    layout = initial_slot_map(base, sc.training_nodes, sc.slot_count)
+    workers.update({n: WorkerView(alive=False) for n in dead})
+    return View(nodes=nodes, region_speed=base.region_speed, slot_map={m: tuple(s) for m, s in layout.items()},
+                workers=workers, committed=5, losses=losses or {}, **kw), layout
+
+
+def runtime_moves(plan, fault_id) -> Counter:
+    return Counter(dst for _, _, dst in plan.moves[fault_id])
+
+
+def test_a_rack_loss_is_split_the_same_with_mixed_gpus_per_node():
+    """Failed before keel/recovery.py: the twin split by speed x GPUs (r0 took all four slots),
+    the runtime by nodes x speed over every surviving region, the stricken one included."""
+    sc = loads(mixed('[[faults.schedule]]\nat_step = 5\nclass = "partial_cluster_loss"\ntarget = "r2"\nnodes = 2\n',
+                     slots=28))
+    predicted = twin_moves(sc)
+    view, _ = runtime_view(sc, dead=("r2/0", "r2/1"),
+                           losses={n: Loss(0, "shard_reweight_failover", "r2") for n in ("r2/0", "r2/1")})
+    decided = runtime_moves(plan_generation(view), 0)
+    assert predicted == decided
+    assert set(decided) <= {"r0/0", "r0/1", "r1/0", "r1/1"}  # not the stricken region's survivor
+    by_region = Counter()
+    for n, k in decided.items():
+        by_region[n.split("/")[0]] += k
+    assert by_region["r1"] > by_region["r0"]  # r1's nodes are twice as fast; GPUs do not count
+
+
+def test_a_killed_worker_without_a_spare_goes_to_the_same_nodes():
+    """Failed before: the runtime spread a lone kill over regions, the twin gave it to the
+    fastest finish."""
+    sc = loads(mixed('[[faults.schedule]]\nat_step = 5\nclass = "hardware_fault"\ntarget = "r0/0"\n'))
+    predicted = twin_moves(sc)
+    view, layout = runtime_view(sc, dead=("r0/0",), losses={"r0/0": Loss(0, "replicate_resume", "r0/0")})
+    assert sum(predicted.values()) == len(layout["r0/0"])
+    assert predicted == runtime_moves(plan_generation(view), 0)
+
+
+def test_a_straggler_goes_to_the_free_spare_on_both_sides():
+    """Failed before: the runtime never parked a straggler on an idle spare."""
+    sc = loads(mixed('[[faults.schedule]]\nat_step = 5\nclass = "network_jitter"\ntarget = "r0/0"\n'
+                     'spike_ms = 3000.0\nduration_s = 900.0\n', slots=12, hot_spares=1))
+    predicted = twin_moves(sc)
+    view, layout = runtime_view(sc, to_park={"r0/0": 0})
+    decided = runtime_moves(plan_generation(view), 0)
+    assert predicted == decided == Counter({"r2/2": len(layout["r0/0"])})
+
+
+def test_the_straggler_rule_in_the_form_each_side_uses():
+    """The runtime judges a measured time per slot (is_straggler); the twin predicts a spike's
+    extra delay per slot and asks whether it is over straggler_excess_s. Both forms are one rule."""
+    from keel.recovery import is_straggler, straggler_excess_s
+    from runtime.coordinator.stragglers import StragglerWatch
+    for median in (0.003, 0.02, 0.08, 0.5, 2.0):
+        for factor in (1.2, 1.5, 3.0):
+            for extra in (0.001, 0.03, 0.05, 0.2, 0.9, 5.0):
+                twin_says = extra > straggler_excess_s(median, factor)
+                assert is_straggler(median + extra, median, factor) == twin_says, (median, factor, extra)
+                watch = StragglerWatch(factor=factor, window=3)
+                reps = {"a": {"ready_s": median, "slots": 1}, "b": {"ready_s": median, "slots": 1},
+                        "c": {"ready_s": 2 * (median + extra), "slots": 2}}
+                assert watch.judge(reps, may_park=False)[-1].slow == twin_says
+
+
+@pytest.mark.timeout(180)
+def test_actions_for_jitter_under_restart_and_a_bad_shard_without_quarantine(tmp_path):
+    """Failed before: under checkpoint_restart the runtime labelled a spike backpressure_reslot
+    (the twin: None), and with policy.quarantine = false the twin predicted a restart while the
+    runtime failed the run. Now both say `endure` and `fail_run`, and both stop at the bad step."""
+    from runtime.api import run_scenario
+    from runtime_helpers import scenario
+    sc = scenario(steps=12, policy="checkpoint_restart", quarantine=False,
+                  faults=[{"at_step": 2, "class": "network_jitter", "target": "a/0", "spike_ms": 50.0, "duration_s": 0.5},
+                          {"at_step": 6, "class": "data_shard_skew", "target": "shard/2"}])
+    result = twin.simulate(sc)
+    predicted = {e.fault: e.action for e in result.events if e.kind == "fault"}
+    with pytest.raises(RunFailed, match="policy.quarantine is false"):
+        run_scenario(sc, tmp_path / "run", progress=False, hangs="")
+    observed_events = read_events(tmp_path / "run" / "events.jsonl")
+    observed = {e.fault: e.action for e in observed_events if e.kind == "fault"}
+    assert predicted == observed == {"network_jitter": "endure", "data_shard_skew": "fail_run"}
+    assert not result.summary["completed"]
+    assert result.events[-1].step == max(e.step for e in observed_events if e.kind == "step") == 6
