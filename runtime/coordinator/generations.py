@@ -12,11 +12,11 @@ and optimizer state.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
 from keel import recovery as R
+from keel.metrics import median_full_membership_interval_s
 
 from runtime.coordinator.episodes import Episode, Stage
 from runtime.coordinator.planning import Loss, View, WorkerView, initial_slot_map, plan_generation
@@ -209,15 +209,9 @@ class GenerationsMixin:
             self.phase = "finished"
 
     def fault_free_step_time(self) -> float | None:
-        """The median interval between consecutive commits with nothing else between them, past
-        the first two, taken where the generation had the run's full training membership: the
-        fault-free pace the metrics compare with (steps with fewer workers, after a loss or with
-        a straggler parked, are part of what the faults did). Every clean interval where there
-        are too few of those."""
-        healthy = [dt for members, dt in self.intervals if members == len(self.training)]
-        xs = healthy if len(healthy) >= 3 else [dt for _, dt in self.intervals]
-        xs = xs[2:] if len(xs) > 4 else xs
-        return statistics.median(xs) if xs else None
+        """The fault-free pace the metrics compare with: the median clean commit interval at
+        the run's full training membership (keel.metrics.median_full_membership_interval_s)."""
+        return median_full_membership_interval_s(self.intervals, len(self.training))
 
     # ------------------------------------------------------------------------- episode ends
 
