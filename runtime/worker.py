@@ -15,11 +15,9 @@ on a collective polls for the coordinator's abort, so a lost peer never costs a 
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import queue
-import random
 import signal
 import socket
 import sys
@@ -30,11 +28,11 @@ from typing import Any
 
 import torch
 
+from runtime.groups import PG_TIMEOUT, GroupFactory
 from runtime.inject import CommGate, kill_self, poisoned_at
 from runtime.protocol import Channel, parse_address
 from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter, broadcast
 
-PG_TIMEOUT = datetime.timedelta(seconds=120)
 BOUND_HEADROOM = 256.0  # slot values may exceed the first moment this much and still take one round
 LOSS_BOUND = 2.0 ** 20
 
@@ -93,16 +91,8 @@ class Worker:
         self.quarantine: frozenset[int] = frozenset()
 
         store_host = welcome.get("store_host") or host
-        import torch.distributed as dist
-        self.dist = dist
-        self.store_host, self.store_port = store_host, int(welcome["store_port"])
-        self._stores: dict[int, Any] = {}
-        self._pool_lock = threading.Lock()
-        self._pool_rng = random.Random(os.getpid())
-        self._store_pool = [self._new_store()]  # the first generation's; a spare follows soon
-        self._refill_store_pool()
-        self.gloo_host = welcome.get("gloo_host") or ("127.0.0.1" if store_host in ("127.0.0.1", "localhost") else "")
-        self.pgs: list[Any] = []  # old groups stay referenced: destroying one mid-collective blocks
+        self.groups = GroupFactory(self.backend, store_host, int(welcome["store_port"]),
+                                   welcome.get("gloo_host") or ("127.0.0.1" if store_host in ("127.0.0.1", "localhost") else ""))
         self.gate = CommGate(sc.run.seed, self.node)
         self.abort_gen = -1
         self.stopping = False
@@ -203,7 +193,7 @@ class Worker:
         t0 = time.perf_counter()
         try:
             self.at = f"gen {g} rank {rank}/{world}: forming the group"
-            pg = self._make_group(g, rank, world)
+            pg = self.groups.make(g, rank, world)
             t_pg = time.perf_counter() - t0
             if msg.get("load") and rank == msg["source"]:
                 self.at = f"gen {g}: loading {msg['load']}"
@@ -230,51 +220,6 @@ class Worker:
                             "error": str(e).splitlines()[0][:200]})
             self.acked_gen = g
 
-    def _make_group(self, g: int, rank: int, world: int, prefix: str | None = None):
-        prefix = prefix or f"gen{g}/"
-        dist = self.dist
-        if self.backend == "nccl":  # each rank on a GPU of its own
-            store = self._store_for(g)
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = PG_TIMEOUT
-            pg = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, world, opts)
-            self.pgs.append(pg)
-            return pg
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.gloo_host, lazy_init=True)]
-        opts._timeout = PG_TIMEOUT
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store_for(g)), rank, world, opts)
-        self.pgs.append(pg)
-        return pg
-
-    def _store_for(self, g: int):
-        """Each generation talks to the store over a connection of its own: a lazy connect of
-        an aborted group may still sit in a store wait for a dead peer's address, and a TCPStore
-        client serialises its operations. Connections come from a small pool, refilled in
-        the background at a random moment a few seconds after each use, so 46 workers never
-        reconnect at once during a recovery (such a burst stalled the store ~5 s here)."""
-        if g in self._stores:
-            return self._stores[g]
-        with self._pool_lock:
-            store = self._store_pool.pop() if self._store_pool else None
-        if store is None:
-            store = self._new_store()
-        self._stores = {g: store}
-        self._refill_store_pool()
-        return store
-
-    def _refill_store_pool(self) -> None:
-        def refill() -> None:
-            time.sleep(self._pool_rng.uniform(2.0, 10.0))
-            st = self._new_store()
-            with self._pool_lock:
-                self._store_pool.append(st)
-        threading.Thread(target=refill, daemon=True, name="store-refill").start()
-
-    def _new_store(self):
-        return self.dist.TCPStore(self.store_host, self.store_port, None, False,
-                                  timeout=datetime.timedelta(seconds=300))
-
     # ------------------------------------------------------------------------- state
 
     def _state_tensors(self, with_optimizer: bool) -> list[torch.Tensor]:
@@ -299,7 +244,7 @@ class Worker:
             return
         who = "sending" if rank == source else "receiving"
         self.at = f"gen {g}: state broadcast, {who}, party {party}: forming its group"
-        pg = self._make_group(g, party.index(rank), len(party), prefix=f"gen{g}/state/")
+        pg = self.groups.make(g, party.index(rank), len(party), prefix=f"gen{g}/state/")
         has_opt = torch.tensor([float(bool(self.optimizer.state))], device=self.device)
         self.at = f"gen {g}: state broadcast, {who}, party {party}: optimizer flag"
         broadcast(pg, has_opt, 0, should_abort, self.waiter)

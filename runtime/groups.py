@@ -1,0 +1,73 @@
+"""Process groups for generations: a fresh group per generation (gloo, lazily connected, or
+NCCL with a GPU per rank) on a store connection of its own, from a small pool."""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import threading
+import time
+from typing import Any
+
+PG_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+class GroupFactory:
+    def __init__(self, backend: str, store_host: str, store_port: int, gloo_host: str):
+        import torch.distributed as dist
+        self.dist = dist
+        self.backend = backend
+        self.store_host, self.store_port = store_host, store_port
+        self.gloo_host = gloo_host
+        self._stores: dict[int, Any] = {}
+        self._pool_lock = threading.Lock()
+        self._pool_rng = random.Random(os.getpid())
+        self._store_pool = [self._new_store()]  # the first generation's; a spare follows soon
+        self._refill_store_pool()
+        self.pgs: list[Any] = []  # old groups stay referenced: destroying one mid-collective blocks
+
+    def make(self, g: int, rank: int, world: int, prefix: str | None = None):
+        """A fresh process group of generation `g` on `PrefixStore(prefix or 'gen{g}/')`."""
+        prefix = prefix or f"gen{g}/"
+        dist = self.dist
+        if self.backend == "nccl":  # each rank on a GPU of its own
+            store = self._store_for(g)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = PG_TIMEOUT
+            pg = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, world, opts)
+            self.pgs.append(pg)
+            return pg
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.gloo_host, lazy_init=True)]
+        opts._timeout = PG_TIMEOUT
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store_for(g)), rank, world, opts)
+        self.pgs.append(pg)
+        return pg
+
+    def _store_for(self, g: int):
+        """Each generation talks to the store over a connection of its own: a lazy connect of
+        an aborted group may still sit in a store wait for a dead peer's address, and a TCPStore
+        client serialises its operations. Connections come from a small pool, refilled in
+        the background at a random moment a few seconds after each use, so 46 workers never
+        reconnect at once during a recovery (such a burst stalled the store ~5 s here)."""
+        if g in self._stores:
+            return self._stores[g]
+        with self._pool_lock:
+            store = self._store_pool.pop() if self._store_pool else None
+        if store is None:
+            store = self._new_store()
+        self._stores = {g: store}
+        self._refill_store_pool()
+        return store
+
+    def _refill_store_pool(self) -> None:
+        def refill() -> None:
+            time.sleep(self._pool_rng.uniform(2.0, 10.0))
+            st = self._new_store()
+            with self._pool_lock:
+                self._store_pool.append(st)
+        threading.Thread(target=refill, daemon=True, name="store-refill").start()
+
+    def _new_store(self):
+        return self.dist.TCPStore(self.store_host, self.store_port, None, False,
+                                  timeout=datetime.timedelta(seconds=300))
