@@ -2,6 +2,7 @@
 and `keel report`, unit-tested through `.to_dict()`. No Streamlit here."""
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import altair as alt
@@ -29,10 +30,52 @@ def _scale(mapping: dict[str, str]) -> alt.Scale:
 
 # ----------------------------------------------------------------------------- topology
 
+def topology_frames(scenario: Scenario) -> dict[str, list[dict[str, Any]]]:
+    """Positions of regions (on a circle) and their nodes (a ring around each region), and
+    the links between regions with their RTT and bandwidth. The spares are the last
+    `policy.hot_spares` nodes in scenario order."""
+    regions = scenario.regions
+    n = len(regions)
+    radius = 0.0 if n == 1 else 1.0
+    spares = set(scenario.node_names[len(scenario.node_names) - scenario.policy.hot_spares:]) \
+        if scenario.policy.hot_spares else set()
+    centre: dict[str, tuple[float, float]] = {}
+    region_rows, node_rows, link_rows = [], [], []
+    ring = 0.18 if n > 1 else 0.6
+    for i, r in enumerate(regions):
+        a = math.pi / 2 - 2 * math.pi * i / max(n, 1)
+        cx, cy = radius * math.cos(a), radius * math.sin(a)
+        centre[r.name] = (cx, cy)
+        region_rows.append({"region": r.name, "x": cx, "y": cy, "nodes": r.nodes,
+                            "gpus": r.nodes * r.gpus_per_node, "intra_gbit_s": r.intra_gbit_s,
+                            "label": f"{r.name} ({r.nodes} x {r.gpus_per_node} GPU)"})
+        for j in range(r.nodes):
+            b = 2 * math.pi * j / r.nodes
+            name = f"{r.name}/{j}"
+            node_rows.append({"node": name, "region": r.name,
+                              "x": cx + ring * math.cos(b), "y": cy + ring * math.sin(b),
+                              "role": "hot spare" if name in spares else "training"})
+    label_spots: list[tuple[float, float]] = []
+    for link in scenario.links:
+        (ax, ay), (bx, by) = centre[link.a], centre[link.b]
+        # the label sits halfway along the link, or further along where crossing links
+        # (opposite regions) would put two labels on one spot
+        for t in (0.5, 0.3, 0.7, 0.2, 0.8):
+            mx, my = ax + (bx - ax) * t, ay + (by - ay) * t
+            if all((mx - x) ** 2 + (my - y) ** 2 > 0.04 for x, y in label_spots):
+                break
+        label_spots.append((mx, my))
+        link_rows.append({"a": link.a, "b": link.b, "x": ax, "y": ay, "x2": bx, "y2": by,
+                          "mx": mx, "my": my,
+                          "rtt_ms": link.rtt_ms, "gbit_s": link.gbit_s, "jitter_ms": link.jitter_ms,
+                          "label": f"{link.rtt_ms:g} ms, {link.gbit_s:g} Gbit/s"})
+    return {"regions": region_rows, "nodes": node_rows, "links": link_rows}
+
+
 def topology_chart(scenario: Scenario) -> alt.LayerChart:
     """The cluster as a graph: regions on a circle, each region's nodes around it (hot
     spares hollow), links between regions labelled with RTT and bandwidth."""
-    f = data.topology_frames(scenario)
+    f = topology_frames(scenario)
     axis = alt.Axis(title=None, labels=False, ticks=False, grid=False, domain=False)
     x = alt.X("x:Q", axis=axis, scale=alt.Scale(domain=[-1.45, 1.45]))
     y = alt.Y("y:Q", axis=axis, scale=alt.Scale(domain=[-1.4, 1.45]))

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from keel import metrics
+from keel import metrics, rundir
 from keel.errors import InputError
-from keel.events import Event, read_events
+from keel.events import Event
 from keel.scenario import Scenario
 
 RUN_KINDS = ("validation", "run", "plan")
@@ -36,7 +36,7 @@ def dir_kind(path: str | Path) -> str | None:
     p = Path(path)
     if (p / "comparison.json").is_file():
         return "validation"
-    if (p / "events.jsonl").is_file() and (p / "summary.json").is_file():
+    if rundir.is_run_dir(p):
         return "run"
     if (p / "plan.json").is_file():
         return "plan"
@@ -62,7 +62,7 @@ def list_runs(root: str | Path, kinds: Sequence[str] = RUN_KINDS, depth: int = 3
     def walk(p: Path, level: int) -> None:
         kind = dir_kind(p)
         if kind in kinds:
-            marker = {"validation": "comparison.json", "run": "summary.json", "plan": "plan.json"}[kind]
+            marker = {"validation": "comparison.json", "run": rundir.SUMMARY, "plan": "plan.json"}[kind]
             label = str(p.relative_to(root)) if p != root else p.name
             found.append(RunDir(p, kind, label, (p / marker).stat().st_mtime))
         if level >= depth:
@@ -100,13 +100,13 @@ def read_json(path: str | Path) -> Any:
 
 
 def load_run(path: str | Path) -> tuple[list[Event], dict[str, Any]]:
-    """events.jsonl and summary.json of a `keel simulate` / `keel run` directory."""
+    """events.jsonl and summary.json of a `keel simulate` / `keel run` directory (a run cut
+    short before its summary was written: the summary computed from its events)."""
     path = Path(path)
-    if not (path / "events.jsonl").is_file():
-        raise InputError(f"{path}: expected a run directory with events.jsonl and summary.json")
-    events = read_events(path / "events.jsonl")
-    summary_path = path / "summary.json"
-    summary = read_json(summary_path) if summary_path.is_file() else metrics.summarize(events)
+    if not (path / rundir.EVENTS).is_file():
+        raise InputError(f"{path}: expected a run directory with {rundir.EVENTS} and {rundir.SUMMARY}")
+    events = rundir.read_events(path)
+    summary = rundir.read_summary(path) if (path / rundir.SUMMARY).is_file() else metrics.summarize(events)
     return events, summary
 
 
@@ -379,7 +379,7 @@ def timeline(events: Sequence[Event], summary: dict[str, Any] | None = None,
     for ep in metrics.fault_episodes(events):
         fid = ep["fault_id"]
         lane = lane_of(ep["target"])
-        ep_end = events[ep["last"]].t
+        ep_end = ep["end_t"]
         stall = downtime.get(fid, {}).get("downtime_s")
         stall_end = ep["t"] + stall if stall is not None else ep_end
         bars.append({"lane": lane, "group": _lane_group(lane), "start": ep["t"], "end": max(ep_end, stall_end),
@@ -392,7 +392,7 @@ def timeline(events: Sequence[Event], summary: dict[str, Any] | None = None,
     open_ckpt: float | None = None
     restart_at: float | None = None
     for e in events:
-        if e.kind in ("fault", "detect", "recover_start", "recover_end", "reslot", "quarantine", "restart"):
+        if e.kind in metrics.EPISODE_KINDS:
             lane = lane_of(e.target) if e.kind != "restart" else RUN_LANE
             marks.append({"lane": lane, "group": _lane_group(lane), "t": e.t, "kind": e.kind,
                           "step": e.step, "fault_id": e.fault_id, "class": e.fault,
@@ -427,51 +427,6 @@ def progress(events: Sequence[Event], max_points: int = 400, offset: float = 0.0
     return pts[::stride] + ([pts[-1]] if (len(pts) - 1) % stride else [])
 
 
-# ----------------------------------------------------------------------------- topology
-
-def topology_frames(scenario: Scenario) -> dict[str, list[dict[str, Any]]]:
-    """Positions of regions (on a circle) and their nodes (a ring around each region), and
-    the links between regions with their RTT and bandwidth. The spares are the last
-    `policy.hot_spares` nodes in scenario order."""
-    import math
-    regions = scenario.regions
-    n = len(regions)
-    radius = 0.0 if n == 1 else 1.0
-    spares = set(scenario.node_names[len(scenario.node_names) - scenario.policy.hot_spares:]) \
-        if scenario.policy.hot_spares else set()
-    centre: dict[str, tuple[float, float]] = {}
-    region_rows, node_rows, link_rows = [], [], []
-    ring = 0.18 if n > 1 else 0.6
-    for i, r in enumerate(regions):
-        a = math.pi / 2 - 2 * math.pi * i / max(n, 1)
-        cx, cy = radius * math.cos(a), radius * math.sin(a)
-        centre[r.name] = (cx, cy)
-        region_rows.append({"region": r.name, "x": cx, "y": cy, "nodes": r.nodes,
-                            "gpus": r.nodes * r.gpus_per_node, "intra_gbit_s": r.intra_gbit_s,
-                            "label": f"{r.name} ({r.nodes} x {r.gpus_per_node} GPU)"})
-        for j in range(r.nodes):
-            b = 2 * math.pi * j / r.nodes
-            name = f"{r.name}/{j}"
-            node_rows.append({"node": name, "region": r.name,
-                              "x": cx + ring * math.cos(b), "y": cy + ring * math.sin(b),
-                              "role": "hot spare" if name in spares else "training"})
-    label_spots: list[tuple[float, float]] = []
-    for link in scenario.links:
-        (ax, ay), (bx, by) = centre[link.a], centre[link.b]
-        # the label sits halfway along the link, or further along where crossing links
-        # (opposite regions) would put two labels on one spot
-        for t in (0.5, 0.3, 0.7, 0.2, 0.8):
-            mx, my = ax + (bx - ax) * t, ay + (by - ay) * t
-            if all((mx - x) ** 2 + (my - y) ** 2 > 0.04 for x, y in label_spots):
-                break
-        label_spots.append((mx, my))
-        link_rows.append({"a": link.a, "b": link.b, "x": ax, "y": ay, "x2": bx, "y2": by,
-                          "mx": mx, "my": my,
-                          "rtt_ms": link.rtt_ms, "gbit_s": link.gbit_s, "jitter_ms": link.jitter_ms,
-                          "label": f"{link.rtt_ms:g} ms, {link.gbit_s:g} Gbit/s"})
-    return {"regions": region_rows, "nodes": node_rows, "links": link_rows}
-
-
 # ----------------------------------------------------------------------------- cached wrappers
 # Thin: the key is the path and the file's mtime, so a rewritten file is read again.
 
@@ -497,7 +452,7 @@ _wrappers: dict[str, Any] = {}
 
 def cached_run(path: str | Path) -> tuple[list[Event], dict[str, Any]]:
     f = _wrappers.setdefault("run", _cached(_run_cached, 16))
-    return f(str(path), mtime(Path(path) / "events.jsonl"))
+    return f(str(path), mtime(Path(path) / rundir.EVENTS))
 
 
 def cached_comparison(path: str | Path) -> dict[str, Any]:

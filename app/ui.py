@@ -3,16 +3,15 @@ runs directory, pickers, and calling the twin. UI glue only."""
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 import streamlit as st
 
 from app import data
-from keel import scenario as sc
-from keel.cli import DEFAULT_SCENARIO, SCENARIOS
+from keel import rundir, scenario as sc
 from keel.errors import InputError
+from keel.paths import DEFAULT_SCENARIO, SCENARIOS
 
 PAGES = {
     "runs": "pages/runs.py", "topology": "pages/topology.py", "simulate": "pages/simulate.py",
@@ -136,17 +135,7 @@ def simulate(scenario: sc.Scenario, seed: int | None = None) -> tuple[list[Any],
 
 def save_run(events: Sequence[Any], summary: dict[str, Any], out: Path) -> Path:
     """A twin result in `keel simulate --out`'s layout (events.jsonl, summary.json)."""
-    import json
-    from keel.events import write_events
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / "events.jsonl").exists():
-        (out / "events.jsonl").unlink()
-    write_events(out / "events.jsonl", events)
-    tmp = tempfile.NamedTemporaryFile("w", dir=out, delete=False, suffix=".tmp")
-    with tmp:
-        json.dump(summary, tmp, indent=1, sort_keys=True)
-    os.replace(tmp.name, out / "summary.json")
-    return out
+    return rundir.write_run(out, events, summary)
 
 
 # ----------------------------------------------------------------------------- pickers

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from keel import scenario as S  # noqa: E402
-from keel.cli import DEFAULT_SCENARIO  # noqa: E402
+from keel.paths import DEFAULT_SCENARIO  # noqa: E402
 from planner import search  # noqa: E402
 
 

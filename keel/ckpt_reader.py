@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.errors import InputError
+from keel.rundir import print_json
 
 FORMAT = "keel-checkpoint"
 FORMAT_VERSION = 1
@@ -277,16 +278,12 @@ def _targets(path: Path) -> list[Path]:
     return [path]
 
 
-def _emit(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, sort_keys=True, allow_nan=False) + "\n")
-
-
 def cli_verify(args: argparse.Namespace) -> int:
     targets = _targets(Path(args.path))
     results = [{"path": str(t), "ok": not (p := verify(t)), "problems": p} for t in targets]
     ok = all(r["ok"] for r in results)
     if getattr(args, "json", False):
-        _emit(results[0] if len(results) == 1 and results[0]["path"] == str(Path(args.path))
+        print_json(results[0] if len(results) == 1 and results[0]["path"] == str(Path(args.path))
               else {"path": args.path, "ok": ok, "checkpoints": results})
     else:
         for r in results:
@@ -302,7 +299,7 @@ def cli_inspect(args: argparse.Namespace) -> int:
     targets = _targets(Path(args.path))
     infos = [inspect(t) for t in targets]
     if getattr(args, "json", False):
-        _emit(infos[0] if len(infos) == 1 else {"path": args.path, "checkpoints": infos})
+        print_json(infos[0] if len(infos) == 1 else {"path": args.path, "checkpoints": infos})
     else:
         for info in infos:
             print(f"{info['path']}: {'ok' if info['ok'] else 'REFUSED'}, step {info.get('step')}, "

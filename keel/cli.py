@@ -8,17 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from keel.errors import InputError, RunFailed
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = REPO_ROOT / "scenarios"
-DEFAULT_SCENARIO = SCENARIOS / "multiregion-46.toml"
-LOCAL_SCENARIO = SCENARIOS / "local-8.toml"
+from keel.paths import DEFAULT_SCENARIO
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,6 +29,8 @@ def _handler(target: str) -> Callable[[argparse.Namespace], int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and its flags. Long on purpose: one flat declaration per subcommand,
+    read top to bottom like the CLI contract in ARCHITECTURE.md; no logic lives here."""
     p = _Parser(prog="keel", description="Digital twin, planner and resilient runtime for multi-region training.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -127,11 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="runs/demo")
     sp.set_defaults(func=_handler("keel.demo:cli"))
     return p
-
-
-def print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=None, sort_keys=True, allow_nan=False) + "\n")
-    sys.stdout.flush()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

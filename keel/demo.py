@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from keel.cli import DEFAULT_SCENARIO, LOCAL_SCENARIO, main as keel_main
+from keel.cli import main as keel_main
+from keel.paths import DEFAULT_SCENARIO, LOCAL_SCENARIO
 
 
 def _stage(title: str) -> None:

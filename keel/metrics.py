@@ -12,6 +12,16 @@
 The fault-free step time comes from the caller, else from `detail.step_time_s` of the
 `run_end` or `run_start` event, else from the median per-step interval between commits with
 nothing else in between.
+
+The one episode walker is `fault_episodes` (summarize, validate, calibrate and the app read
+episodes through it). The pace estimators, each named for what it computes:
+- `median_clean_interval_s(events)`: the median per-step interval between consecutive commits
+  with nothing else between them (the metrics' fallback step time);
+- `median_full_membership_interval_s(intervals, full_members)`: the same over (members, s)
+  intervals a coordinator measured, at the full membership, past the first two (the runtime's
+  reported `step_time_s`);
+- `mean_step_s_after_warmup(events, warmup)`: the commits past the first `warmup` over the time
+  they took, everything included (what a run's wall time grows by per step: calibration's pace).
 """
 from __future__ import annotations
 
@@ -24,11 +34,8 @@ from keel.events import Event
 EPISODE_KINDS = ("fault", "detect", "recover_start", "recover_end", "reslot", "quarantine", "restart")
 
 
-def fault_free_step_time(events: Sequence[Event]) -> float:
-    for kind in ("run_end", "run_start"):
-        for e in events:
-            if e.kind == kind and e.detail.get("step_time_s"):
-                return float(e.detail["step_time_s"])
+def clean_intervals(events: Sequence[Event]) -> list[float]:
+    """Seconds per step between consecutive commits with nothing but a `run_start` between them."""
     paces = []
     prev = None
     for e in events:
@@ -38,7 +45,14 @@ def fault_free_step_time(events: Sequence[Event]) -> float:
             prev = e
         elif e.kind not in ("run_start",):
             prev = None
-    if not paces:  # every interval has something in it (a checkpoint every step, say)
+    return paces
+
+
+def median_clean_interval_s(events: Sequence[Event]) -> float:
+    """The median of `clean_intervals`; where every interval has something in it (a checkpoint
+    every step, say), the median over all consecutive commits."""
+    paces = clean_intervals(events)
+    if not paces:
         commits = [e for e in events if e.kind == "step"]
         paces = [(b.t - a.t) / (b.step - a.step) for a, b in zip(commits, commits[1:]) if b.step > a.step]
     if not paces:
@@ -46,8 +60,45 @@ def fault_free_step_time(events: Sequence[Event]) -> float:
     return statistics.median(paces)
 
 
+def median_full_membership_interval_s(intervals: Sequence[tuple[int, float]], full_members: int,
+                                      warmup: int = 2) -> float | None:
+    """The median of clean commit intervals given as (members holding slots, seconds), taken
+    where the membership was `full_members` (steps with fewer workers, after a loss or with a
+    straggler parked, are part of what the faults did), every interval where fewer than 3 were;
+    past the first `warmup` where more than twice that many remain. None without intervals."""
+    healthy = [dt for members, dt in intervals if members == full_members]
+    xs = healthy if len(healthy) >= 3 else [dt for _, dt in intervals]
+    xs = xs[warmup:] if len(xs) > 2 * warmup else xs
+    return statistics.median(xs) if xs else None
+
+
+def mean_step_s_after_warmup(events: Sequence[Event], warmup: int = 2) -> float:
+    """The mean step of the commits in `events` past the first `warmup`: steps over the time
+    they took, checkpoints and the machine's hiccups included. A run's wall time grows by this
+    per step, so it is the mean, not a median (a few slow steps in every stretch put it 2-10 %
+    above the median interval). Needs two commits at distinct steps."""
+    commits = [(e.step, e.t) for e in events if e.kind == "step"]
+    (s0, t0), (s1, t1) = commits[min(warmup, len(commits) - 2)], commits[-1]
+    return (t1 - t0) / (s1 - s0)
+
+
+def fault_free_step_time(events: Sequence[Event]) -> float:
+    """The step time a log declares (`detail.step_time_s` of its `run_end`, else `run_start`),
+    else `median_clean_interval_s`."""
+    for kind in ("run_end", "run_start"):
+        for e in events:
+            if e.kind == kind and e.detail.get("step_time_s"):
+                return float(e.detail["step_time_s"])
+    return median_clean_interval_s(events)
+
+
 def fault_episodes(events: Sequence[Event]) -> list[dict[str, Any]]:
-    """Per fault: its class, target, action, when it struck and the episode's events."""
+    """Per fault, in the order they struck: its `fault_id`, `class`, `target`, `action`, the
+    time `t` and step `at_step` it struck at, the indices in `events` of its `fault` event
+    (`first`) and of its episode's last event (`last`), that event's time `end_t`, and
+    `first_of`: the episode's first event of each kind. An episode's events are those of
+    EPISODE_KINDS carrying its `detail.fault_id` (or, without one, the latest fault's of the
+    same class and target)."""
     episodes: dict[int, dict[str, Any]] = {}
     last_by_target: dict[tuple, int] = {}
     for i, e in enumerate(events):
@@ -55,7 +106,7 @@ def fault_episodes(events: Sequence[Event]) -> list[dict[str, Any]]:
             fid = e.fault_id if e.fault_id is not None else len(episodes)
             episodes[fid] = {"fault_id": fid, "class": e.fault, "target": e.target,
                              "action": e.action, "t": e.t, "at_step": e.step,
-                             "first": i, "last": i}
+                             "first": i, "last": i, "end_t": e.t, "first_of": {"fault": e}}
             last_by_target[(e.fault, e.target)] = fid
         elif e.kind in EPISODE_KINDS:
             fid = e.fault_id
@@ -64,12 +115,19 @@ def fault_episodes(events: Sequence[Event]) -> list[dict[str, Any]]:
             ep = episodes.get(fid) if fid is not None else None
             if ep is None:
                 continue
-            ep["last"] = i
+            ep["last"], ep["end_t"] = i, e.t
+            ep["first_of"].setdefault(e.kind, e)
             if e.action and not ep["action"]:
                 ep["action"] = e.action
             if e.kind == "restart":
                 ep["action"] = "checkpoint_restart"
     return list(episodes.values())
+
+
+def since_fault_s(episode: dict[str, Any], kind: str) -> float | None:
+    """Seconds from the episode's fault to its first event of `kind` (None where none came)."""
+    e = episode["first_of"].get(kind)
+    return None if e is None else e.t - episode["t"]
 
 
 def summarize(events: Sequence[Event], step_time_s: float | None = None) -> dict[str, Any]:
@@ -113,18 +171,3 @@ def summarize(events: Sequence[Event], step_time_s: float | None = None) -> dict
         "faults": faults,
     }
 
-
-def restarts(events: Sequence[Event]) -> int:
-    return sum(1 for e in events if e.kind == "restart")
-
-
-def goodput(events: Sequence[Event], step_time_s: float | None = None) -> float:
-    return summarize(events, step_time_s)["goodput"]
-
-
-def downtime_s(events: Sequence[Event], step_time_s: float | None = None) -> list[float]:
-    return [f["downtime_s"] for f in summarize(events, step_time_s)["faults"]]
-
-
-def cost_s(events: Sequence[Event], step_time_s: float | None = None) -> list[float]:
-    return [f["cost_s"] for f in summarize(events, step_time_s)["faults"]]

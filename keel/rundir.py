@@ -20,14 +20,21 @@ def _dumps(obj: Any, indent: int | None) -> str:
     return json.dumps(obj, indent=indent, sort_keys=True, allow_nan=False)
 
 
+def write_json(path: str | Path, obj: Any) -> Path:
+    """`obj` as indented JSON at `path` (keys sorted, no NaN), replaced atomically: a reader
+    never sees half a file. The parent directory is created."""
+    path = Path(path)
+    text = _dumps(obj, 1) + "\n"  # before any file exists: a value JSON cannot hold leaves none
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp", encoding="utf-8") as tmp:
+        tmp.write(text)
+    os.replace(tmp.name, path)
+    return path
+
+
 def write_summary(out_dir: str | Path, summary: dict[str, Any]) -> Path:
     """`out_dir/summary.json`, replaced atomically (a reader never sees half a file)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=out, delete=False, suffix=".tmp", encoding="utf-8") as tmp:
-        tmp.write(_dumps(summary, 1) + "\n")
-    os.replace(tmp.name, out / SUMMARY)
-    return out / SUMMARY
+    return write_json(Path(out_dir) / SUMMARY, summary)
 
 
 def write_run(out_dir: str | Path, events: Iterable[Any], summary: dict[str, Any]) -> Path:
@@ -48,8 +55,10 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InputError(f"{path}: no such file (expected a run directory with {EVENTS} and {SUMMARY})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{path}: not a JSON summary ({e})") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not valid JSON (not UTF-8 text)") from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a JSON object")
     return data

@@ -5,20 +5,14 @@ stderr. Bad input raises `InputError` (exit 2), a failed run `RunFailed` (exit 1
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from keel.errors import InputError
+from keel.rundir import print_json, write_json
 
 QUICK_ENV = "KEEL_CALIBRATE_QUICK"  # "1": fewer repetitions and shorter runs (tests)
-
-
-def _print_json(obj: Any) -> None:
-    from keel.cli import print_json
-    print_json(obj)
 
 
 def _positive(value: int, flag: str) -> int:
@@ -33,7 +27,7 @@ def calibrate(args: Any) -> int:
     cal = C.calibrate(quick=quick, progress=True)
     path = C.write(cal, args.out)
     if args.json:
-        _print_json(cal)
+        print_json(cal)
     else:
         print(C.table(cal))
         print(f"written to {path}")
@@ -46,7 +40,7 @@ def validate(args: Any) -> int:
     out = Path(args.out or f"runs/validate-{scenario.run.name}")
     comparison = V.validate(scenario, out_dir=out, calibration=args.calibration, progress=True)
     if args.json:
-        _print_json(comparison)
+        print_json(comparison)
     else:
         print(V.table(comparison))
         print(f"written to {out / 'comparison.json'}")
@@ -66,7 +60,7 @@ def plan(args: Any) -> int:
                              f"got {scenario.total_nodes}")
     calibration = None
     if getattr(args, "calibration", None):  # where keel/cli.py offers plan --calibration
-        from twin.params import load_calibration
+        from twin import load_calibration
         calibration = load_calibration(args.calibration)
     result = search.run_plan(scenario, trials=trials, replicas=replicas, ray_address=args.ray,
                              calibration=calibration, progress=True)
@@ -75,10 +69,9 @@ def plan(args: Any) -> int:
         from planner.validate import check_plan
         result["validation"] = check_plan(scenario, result, (out or Path(f"runs/plan-{scenario.run.name}")) / "validate")
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.json").write_text(json.dumps(result, indent=1, sort_keys=True, allow_nan=False) + "\n")
+        write_json(out / "plan.json", result)
     if args.json:
-        _print_json(result)
+        print_json(result)
     else:
         print(search.table(result))
         if args.validate:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from keel.errors import InputError
 
@@ -115,14 +115,3 @@ def make_runner(ray_address: str | None = None, processes: int | None = None,
 def seeds_for(base_seed: int, replicas: int) -> list[int]:
     """The common random numbers: every candidate is scored on these same seeds."""
     return [int(base_seed) + i for i in range(replicas)]
-
-
-def chunks(items: Iterable[Any], size: int) -> Iterable[list[Any]]:
-    batch: list[Any] = []
-    for x in items:
-        batch.append(x)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch

@@ -7,7 +7,6 @@ training nodes stay as the scenario has them, so spares are extra nodes that are
 """
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, Mapping
 
@@ -17,27 +16,17 @@ from keel.errors import InputError
 SPARES_KEY = "policy.hot_spares"
 
 
-def plain(scenario: S.Scenario) -> dict[str, Any]:
-    """The resolved scenario as a dict `keel.scenario.from_dict` reads back (no None values)."""
-    def strip(x: Any) -> Any:
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if v is not None}
-        if isinstance(x, list):
-            return [strip(v) for v in x]
-        return x
-    return strip(json.loads(json.dumps(scenario.to_dict())))
-
-
 def with_policy(scenario: S.Scenario, policy: Mapping[str, Any]) -> S.Scenario:
     """The scenario with the dotted keys of `policy` set. `policy.hot_spares` keeps the
-    training nodes fixed and resizes the last region instead (the spares are its last nodes)."""
-    raw = plain(scenario)
+    training nodes fixed and resizes the last region instead (the spares are its last nodes):
+    a later key of `policy` naming that region's `nodes` still wins, as any later key does."""
+    values: dict[str, Any] = {}
     for key, value in policy.items():
         if key == SPARES_KEY:
             delta = int(value) - scenario.policy.hot_spares
-            raw["regions"][-1]["nodes"] = scenario.regions[-1].nodes + delta
-        S.apply_override(raw, key, value, scenario.source)
-    return S.from_dict(raw, scenario.source)
+            values[f"regions.{len(scenario.regions) - 1}.nodes"] = scenario.regions[-1].nodes + delta
+        values[key] = value
+    return scenario.with_overrides(values)
 
 
 def spares_range(scenario: S.Scenario, extra: int = 4) -> tuple[int, int]:
@@ -57,7 +46,7 @@ def spares_range(scenario: S.Scenario, extra: int = 4) -> tuple[int, int]:
 
 def schedule_only(scenario: S.Scenario) -> S.Scenario:
     """The scenario with every stochastic fault rate at 0: only `faults.schedule` strikes."""
-    return with_policy(scenario, {
+    return scenario.with_overrides({
         "faults.hardware_fault.mtbf_node_hours": 0.0,
         "faults.network_jitter.per_day": 0.0,
         "faults.partial_cluster_loss.per_day": 0.0,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from keel import scenario as S
+from keel.stats import mean_ci95
 from planner import scenarios as PS
 from planner.replicas import SerialRunner, seeds_for
 
@@ -112,14 +113,6 @@ def current_policy(scenario: S.Scenario, space: Mapping[str, Param]) -> dict[str
 
 # ----------------------------------------------------------------------------- scoring
 
-def ci95(xs: Sequence[float]) -> list[float]:
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return [m, m]
-    half = 1.96 * statistics.stdev(xs) / math.sqrt(len(xs))
-    return [m - half, m + half]
-
-
 @dataclass(kw_only=True)
 class Evaluator:
     """Scores policies on the twin with a fixed list of seeds (common random numbers)."""
@@ -149,17 +142,16 @@ class Evaluator:
         return self.score_many([policy])[0]
 
     def _aggregate(self, sc: S.Scenario, reps: list[dict]) -> dict:
-        goodputs = [r["goodput"] for r in reps]
-        wall = statistics.fmean(r["wall_s"] for r in reps)
-        steps = sc.run.steps
+        """The mean over the seeds and its 95 % interval (Student t) of goodput and cost."""
         nodes = PS.paid_nodes(sc)
-        costs = [nodes * r["wall_s"] / 3600.0 / steps for r in reps]
+        goodput, goodput_ci = mean_ci95([r["goodput"] for r in reps])
+        cost, cost_ci = mean_ci95([nodes * r["wall_s"] / 3600.0 / sc.run.steps for r in reps])
         return {
-            "goodput": statistics.fmean(goodputs),
-            "goodput_ci95": ci95(goodputs),
-            "cost_node_hours_per_step": statistics.fmean(costs),
-            "cost_ci95": ci95(costs),
-            "wall_s": wall,
+            "goodput": goodput,
+            "goodput_ci95": goodput_ci,
+            "cost_node_hours_per_step": cost,
+            "cost_ci95": cost_ci,
+            "wall_s": statistics.fmean(r["wall_s"] for r in reps),
             "restarts": statistics.fmean(r.get("restarts") or 0 for r in reps),
             "paid_nodes": nodes,
             "replicas": len(reps),
@@ -205,11 +197,8 @@ def fit_interval(points: Sequence[tuple[float, float]]) -> dict | None:
 def fault_free_step_time(scenario: S.Scenario, runner: SerialRunner,
                          calibration: Mapping[str, Any] | None) -> float:
     """The twin's fault-free step time for the scenario (a short run with no faults)."""
-    raw = PS.plain(scenario)
-    raw["faults"] = {}
-    raw["run"]["steps"] = min(scenario.run.steps, 50)
-    raw["checkpoint"]["interval_steps"] = scenario.run.steps
-    quiet = S.from_dict(raw, scenario.source)
+    quiet = scenario.with_overrides({"faults": {}, "run.steps": min(scenario.run.steps, 50),
+                                     "checkpoint.interval_steps": scenario.run.steps})
     (r,) = runner.map([(quiet, scenario.run.seed, calibration)])
     return float(r["step_time_s"])
 
@@ -220,9 +209,6 @@ def plan(scenario: S.Scenario, *, trials: int = 60, replicas: int = 8, runner: S
          seed: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Search the policy space on the twin; the object `keel plan --json` prints.
     `keys` limits the searched keys; `fixed` sets others on every candidate."""
-    import optuna
-    from tqdm import tqdm
-
     seed = scenario.run.seed if seed is None else seed
     base = PS.with_policy(scenario, fixed) if fixed else scenario
     step_time = fault_free_step_time(base, runner, calibration)
@@ -230,52 +216,13 @@ def plan(scenario: S.Scenario, *, trials: int = 60, replicas: int = 8, runner: S
     space = default_space(base, yd["interval_steps"], keys)
     ev = Evaluator(scenario=base, seeds=seeds_for(seed, replicas), runner=runner, calibration=calibration)
 
+    batch = max(1, getattr(runner, "processes", 1) * 2 // max(1, replicas))
+    records = _tpe_search(ev, space, yd["interval_steps"], trials=trials, seed=seed, batch=batch,
+                          progress=progress)
     baseline_policy = {"policy.kind": "checkpoint_restart", INTERVAL: yd["interval_steps"]}
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(2, trials // 3)),
-                                         multivariate=True, constant_liar=True)
-    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
-    study.enqueue_trial(current_policy(base, space))
-    enqueued = {0: "scenario"}
-    if "policy.kind" in space and INTERVAL in space:
-        enqueued[1] = "young-daly"
-        study.enqueue_trial({**current_policy(base, space), "policy.kind": "checkpoint_restart",
-                             INTERVAL: min(space[INTERVAL].high, max(space[INTERVAL].low, yd["interval_steps"]))})
-    jobs_per_batch = max(1, getattr(runner, "processes", 1) * 2 // max(1, replicas))
-    records: list[dict] = []
-    bar = tqdm(total=trials, desc="plan", unit="trial", file=sys.stderr, disable=not progress)
-    done = 0
-    while done < trials:
-        batch = [study.ask() for _ in range(min(jobs_per_batch, trials - done))]
-        policies = [suggest_policy(t, space, base) for t in batch]
-        for t, policy, res in zip(batch, policies, ev.score_many(policies)):
-            study.tell(t, [res["goodput"], res["cost_node_hours_per_step"]])
-            source = enqueued.get(t.number, "tpe")
-            records.append({"number": t.number, "source": source, "policy": policy, **res})
-        done += len(batch)
-        best = max(r["goodput"] for r in records)
-        bar.set_postfix(best_goodput=f"{best:.4f}")
-        bar.update(len(batch))
-    bar.close()
-
     (baseline,) = ev.score_many([baseline_policy])
     baseline = {"policy": baseline_policy, **baseline, "source": "baseline"}
-    front = pareto(records)
-    chosen = recommend(front, cost_slack)
-    recommended = {**chosen, "source": chosen["source"]}
-    refinement = None
-    if refine and INTERVAL in space:
-        same_rest = [r for r in records
-                     if {k: v for k, v in r["policy"].items() if k != INTERVAL}
-                     == {k: v for k, v in chosen["policy"].items() if k != INTERVAL}]
-        refinement, refined = _refine_interval(ev, chosen, same_rest, scenario.run.steps)
-        if refined is not None:
-            n = len(records)
-            for i, r in enumerate(refinement.pop("points")):
-                records.append({"number": n + i, "source": "refine", **r})
-            recommended = {**refined, "number": len(records), "source": "refine-fit"}
-            records.append(dict(recommended))
-            front = pareto(records)
+    recommended, front, refinement = _choose(ev, records, space, cost_slack, refine, scenario.run.steps)
 
     ranked = sorted(records, key=lambda r: (-r["goodput"], r["cost_node_hours_per_step"]))
     return {
@@ -301,6 +248,63 @@ def plan(scenario: S.Scenario, *, trials: int = 60, replicas: int = 8, runner: S
         "pareto": [_trial(r) for r in front],
         "trials": [_trial(r) for r in ranked],
     }
+
+
+def _tpe_search(ev: Evaluator, space: Mapping[str, Param], yd_interval_steps: int, *, trials: int,
+                seed: int, batch: int, progress: bool) -> list[dict]:
+    """`trials` candidates from seeded TPE, asked `batch` at a time; the first is the
+    scenario's own policy, the second (where the kind and interval are searched)
+    checkpoint_restart at Young/Daly's interval. One record per trial, in trial order."""
+    import optuna
+    from tqdm import tqdm
+
+    base = ev.scenario
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(2, trials // 3)),
+                                         multivariate=True, constant_liar=True)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    study.enqueue_trial(current_policy(base, space))
+    enqueued = {0: "scenario"}
+    if "policy.kind" in space and INTERVAL in space:
+        enqueued[1] = "young-daly"
+        study.enqueue_trial({**current_policy(base, space), "policy.kind": "checkpoint_restart",
+                             INTERVAL: min(space[INTERVAL].high, max(space[INTERVAL].low, yd_interval_steps))})
+    records: list[dict] = []
+    bar = tqdm(total=trials, desc="plan", unit="trial", file=sys.stderr, disable=not progress)
+    done = 0
+    while done < trials:
+        asked = [study.ask() for _ in range(min(batch, trials - done))]
+        policies = [suggest_policy(t, space, base) for t in asked]
+        for t, policy, res in zip(asked, policies, ev.score_many(policies)):
+            study.tell(t, [res["goodput"], res["cost_node_hours_per_step"]])
+            records.append({"number": t.number, "source": enqueued.get(t.number, "tpe"), "policy": policy, **res})
+        done += len(asked)
+        bar.set_postfix(best_goodput=f"{max(r['goodput'] for r in records):.4f}")
+        bar.update(len(asked))
+    bar.close()
+    return records
+
+
+def _choose(ev: Evaluator, records: list[dict], space: Mapping[str, Param], cost_slack: float,
+            refine: bool, steps: int) -> tuple[dict, list[dict], dict | None]:
+    """The recommended candidate, the Pareto front and the interval refinement (None where
+    not refined). A refinement's grid points and fitted optimum are appended to `records`."""
+    front = pareto(records)
+    chosen = recommend(front, cost_slack)
+    recommended = {**chosen, "source": chosen["source"]}
+    if not (refine and INTERVAL in space):
+        return recommended, front, None
+    rest = {k: v for k, v in chosen["policy"].items() if k != INTERVAL}
+    same_rest = [r for r in records if {k: v for k, v in r["policy"].items() if k != INTERVAL} == rest]
+    refinement, refined = _refine_interval(ev, chosen, same_rest, steps)
+    if refined is not None:
+        n = len(records)
+        for i, r in enumerate(refinement.pop("points")):
+            records.append({"number": n + i, "source": "refine", **r})
+        recommended = {**refined, "number": len(records), "source": "refine-fit"}
+        records.append(dict(recommended))
+        front = pareto(records)
+    return recommended, front, refinement
 
 
 def _refine_interval(ev: Evaluator, chosen: dict, same_rest: Sequence[dict],

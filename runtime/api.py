@@ -1,11 +1,15 @@
-"""The runtime's public entry point (the planner and `keel run` use only this)."""
+"""The runtime's public entry point (the planner and `keel run` use only this).
+
+    run_scenario(scenario, out_dir, ...) -> summary        # a real run: events.jsonl, summary.json
+    measure_primitives(scenario, reps, workdir, ...) -> {}  # raw samples of its primitives (calibrate)
+    commit_sha() -> str                                     # the code's git HEAD, as checkpoints record it
+"""
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from keel.scenario import Scenario
 
@@ -41,6 +45,7 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
     `device`/`backend` default to $KEEL_DEVICE ("cpu") and $KEEL_BACKEND ("gloo"; "nccl" needs
     a GPU per worker)."""
     import os
+    from keel.rundir import write_summary
     from runtime.coordinator import Coordinator
 
     scenario = with_steps(scenario, steps)
@@ -52,5 +57,21 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
                         device=device or os.environ.get("KEEL_DEVICE", "cpu"),
                         backend=backend or os.environ.get("KEEL_BACKEND", "gloo"))
     summary = coord.run()
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    write_summary(out, summary)
     return summary
+
+
+def measure_primitives(scenario: Scenario, reps: int, workdir: str | Path, *, world: int | None = None,
+                       progress: Callable[[str], None] | None = None, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Measure, on this machine, the runtime's primitives in `scenario`'s shape (its model, data
+    and `world` = its training workers as gloo processes), `reps` repetitions each: raw samples,
+    as `runtime.measure.measure_primitives` describes them. Raises `RunFailed` if the
+    benchmark's processes fail or do not report within `timeout_s`."""
+    from runtime.measure import measure_primitives as measure
+    return measure(scenario, reps, workdir, world=world, progress=progress, timeout_s=timeout_s)
+
+
+def commit_sha() -> str:
+    """40 hex of the code's git HEAD, or "unknown" outside a git checkout."""
+    from runtime.checkpoint import current_commit_sha
+    return current_commit_sha()

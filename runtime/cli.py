@@ -12,8 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from keel.cli import print_json
-from runtime.cli_data import data_prepare  # noqa: F401  (keel data prepare)
+from keel.rundir import print_json
 
 
 def run(args: argparse.Namespace) -> int:

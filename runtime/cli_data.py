@@ -5,8 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from keel.cli import print_json
 from keel.errors import InputError
+from keel.rundir import print_json
 
 
 def data_prepare(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 import pytest
 
 from keel.events import Event, EventLogError, read_events, validate_event, write_events
+from keel import metrics
 from keel.metrics import fault_free_step_time, summarize
 
 
@@ -79,3 +80,29 @@ def test_step_time_when_every_interval_holds_a_checkpoint():
     for k in range(1, 6):
         ev += [E(2.0 * k, k, "step"), E(2.0 * k, k, "checkpoint_start"), E(2.0 * k + 0.1, k, "checkpoint_end")]
     assert fault_free_step_time(ev) == pytest.approx(2.0)
+
+
+def test_one_episode_walker():
+    """`fault_episodes`: what summarize, validate, calibrate and the app read of an episode."""
+    ev = absorbed_log()
+    ev.insert(5, E(4.0, 3, "reslot", "hardware_fault", "a/1", "replicate_resume"))  # no fault_id: by class and target
+    (ep,) = metrics.fault_episodes(ev)
+    assert (ep["fault_id"], ep["class"], ep["target"], ep["action"], ep["t"], ep["at_step"]) == \
+        (0, "hardware_fault", "a/1", "replicate_resume", 3.5, 3)
+    assert ev[ep["first"]].kind == "fault" and ev[ep["last"]].kind == "recover_end" and ep["end_t"] == 5.25
+    assert sorted(ep["first_of"]) == ["detect", "fault", "recover_end", "recover_start", "reslot"]
+    assert metrics.since_fault_s(ep, "detect") == pytest.approx(1.5)
+    assert metrics.since_fault_s(ep, "restart") is None
+
+
+def test_pace_estimators():
+    ev = [E(0.0, 0, "run_start")] + [E(1.0 + 0.5 * k + (0.2 if k == 3 else 0.0), k, "step") for k in range(1, 7)]
+    assert metrics.clean_intervals(ev) == pytest.approx([0.5, 0.7, 0.3, 0.5, 0.5])
+    assert metrics.median_clean_interval_s(ev) == pytest.approx(0.5)
+    # the commits past the first two over the time they took: steps 2..6
+    assert metrics.mean_step_s_after_warmup(ev) == pytest.approx((ev[-1].t - ev[3].t) / 3)
+    assert metrics.mean_step_s_after_warmup(ev, warmup=0) == pytest.approx((ev[-1].t - ev[1].t) / 5)
+    full = [(7, 0.3), (7, 0.2), (5, 0.9), (7, 0.1), (7, 0.1), (7, 0.1)]
+    assert metrics.median_full_membership_interval_s(full, 7) == pytest.approx(0.1)   # 5 at 7, past the first 2
+    assert metrics.median_full_membership_interval_s(full[:3], 7) == pytest.approx(0.3)  # too few at 7: all 3
+    assert metrics.median_full_membership_interval_s([], 7) is None

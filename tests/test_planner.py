@@ -223,6 +223,18 @@ def test_wall_time_error_pairs_each_repetition_with_its_own_prediction():
     assert c["wall_s"]["rel_err"] == pytest.approx(0.08 / 1.08) and c["pass"]["wall"] is False
 
 
+def test_detect_times_come_from_the_episode_walker():
+    from keel.events import Event
+    from planner.validate import detect_times
+    ev = [Event(0.0, 0, "run_start", None, None, None, {}),
+          Event(1.0, 2, "fault", "hardware_fault", "a/1", None, {"fault_id": 0}),
+          Event(1.25, 2, "detect", "hardware_fault", "a/1", None, {"fault_id": 0}),
+          Event(1.5, 2, "detect", "hardware_fault", "a/1", None, {"fault_id": 0}),
+          Event(2.0, 3, "fault", "network_jitter", "a/2", None, {"fault_id": 1}),
+          Event(3.0, 3, "detect", "data_shard_skew", "shard/1", None, {"fault_id": 7})]  # no such fault
+    assert detect_times(ev) == {0: 0.25}
+
+
 def test_validate_uses_an_existing_calibration(tmp_path, monkeypatch):
     from planner.validate import resolve_calibration
     cal = {"primitives": {"slot_compute_s": {"median": 0.01}}}
@@ -241,16 +253,14 @@ def test_validate_uses_an_existing_calibration(tmp_path, monkeypatch):
 def test_refreshed_pace_reproduces_both_measured_paces():
     """validate's pace runs: the full membership's step re-splits the reduction level, the
     fewer workers' step sets host_pace_per_worker; the twin then predicts both as measured."""
-    from planner.calibrate import refresh_pace
-    from twin.model import Simulation
-    from twin.params import TwinParams
+    import twin
+    from planner.calibrate_fit import refresh_pace
     sc = S.load(SCENARIOS / "local-8.toml")
     cal = {"primitives": {"slot_compute_s": {"median": 0.005}, "reduce_latency_s": {"median": 0.02},
                           "reduce_gbyte_s": {"median": 0.05}, "host_pace_per_worker": {"median": 0.05}}}
     refreshed = refresh_pace(cal, sc, 0.060, "test", fewer=(4, 0.042))
-    sim = Simulation(sc, TwinParams.from_scenario(sc, refreshed), sc.run.seed)
-    assert sim.fault_free_step_s(sc.training_nodes) == pytest.approx(0.060, rel=0.01)
-    assert sim.fault_free_step_s(4) == pytest.approx(0.042, rel=0.01)
+    assert twin.fault_free_step_s(sc, refreshed, sc.training_nodes) == pytest.approx(0.060, rel=0.01)
+    assert twin.fault_free_step_s(sc, refreshed, 4) == pytest.approx(0.042, rel=0.01)
     assert refreshed["primitives"]["host_pace_per_worker"]["refreshed"]["fewer_workers"] == 4
 
 

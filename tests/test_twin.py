@@ -324,9 +324,9 @@ def test_shared_host_steps_by_total_work_not_layout():
     alone = Simulation(s, TwinParams.from_scenario(s), 1)
 
     def step(sim, layout):
-        nodes = sim.order[:len(layout)]
-        return sim._expected_s(sim._shape(with_spikes=False, nodes=nodes,
-                                          slots={n.name: k for n, k in zip(nodes, layout)}))
+        nodes = sim.cluster.order[:len(layout)]
+        return sim.cost.expected_s(sim.cost.shape(with_spikes=False, nodes=nodes,
+                                                  slots={n.name: k for n, k in zip(nodes, layout)}))
     assert step(shared, (3, 2, 2, 1)) == pytest.approx(step(shared, (2, 2, 2, 2)))
     assert step(shared, (2, 2, 2, 2)) == pytest.approx(shared.fault_free_step_s(4))
     assert step(alone, (3, 2, 2, 1)) > step(alone, (2, 2, 2, 2)) + 0.5 * s.workload.step_compute_s

@@ -4,13 +4,15 @@
     result.events    # list[keel.events.Event], the shared event schema
     result.summary   # keel.metrics.summarize(events) + tool, scenario, config_hash, seed, ...
     twin.simulate_replicas(scenario, replicas, seed=None, calibration=None, processes=None)
+    twin.fault_free_step_s(scenario, calibration, holders)   # the modelled fault-free step
+    twin.fewest_holders(scenario, calibration)               # the smallest membership a run trains with
+    twin.load_calibration(path)                              # keel.calibration.load
 
 Same scenario, seed and calibration: the same events, byte for byte. `twin` never imports the
 runtime (or torch); the two meet only in the scenario and the event log.
 """
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import sys
@@ -18,11 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keel.calibration import CalibrationError, load as load_calibration
 from keel.events import Event
 from keel.metrics import summarize
 from keel.scenario import Scenario
+from keel.stats import mean_ci95
 
-__all__ = ["TwinResult", "simulate", "simulate_replicas", "build_summary"]
+__all__ = ["TwinResult", "simulate", "simulate_replicas", "build_summary", "fault_free_step_s",
+           "fewest_holders", "load_calibration", "CalibrationError"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,23 +39,41 @@ class TwinResult:
 def _calibration(calibration: dict | str | Path | None) -> tuple[dict | None, str]:
     if not isinstance(calibration, (str, Path)):
         return calibration, "calibration"  # a dict (or None); TwinParams checks it
-    from twin.params import load_calibration
     return load_calibration(calibration), str(calibration)
+
+
+def _simulation(scenario: Scenario, calibration: dict | str | Path | None, seed: int | None):
+    from twin.model import Simulation
+    from twin.params import TwinParams
+    from twin.topology import Topology
+    data, source = _calibration(calibration)
+    topology = Topology(scenario)
+    params = TwinParams.from_scenario(scenario, data, source=source, topology=topology)
+    return Simulation(scenario, params, scenario.run.seed if seed is None else int(seed), topology), params
 
 
 def simulate(scenario: Scenario, seed: int | None = None,
              calibration: dict | str | Path | None = None) -> TwinResult:
     """One seeded run of the twin (seed defaults to run.seed)."""
-    from twin.model import Simulation
-    from twin.params import TwinParams
-    from twin.topology import Topology
-
     seed = scenario.run.seed if seed is None else int(seed)
-    data, source = _calibration(calibration)
-    topology = Topology(scenario)
-    params = TwinParams.from_scenario(scenario, data, source=source, topology=topology)
-    events = Simulation(scenario, params, seed, topology).run()
+    sim, params = _simulation(scenario, calibration, seed)
+    events = sim.run()
     return TwinResult(events, build_summary(scenario, events, seed, params.calibrated))
+
+
+def fault_free_step_s(scenario: Scenario, calibration: dict | str | Path | None, holders: int) -> float:
+    """The twin's expected fault-free step with the run's slots placed over the first `holders`
+    nodes in scenario order (as a fault-free run with that many training nodes has them),
+    host sharing included."""
+    return _simulation(scenario, calibration, None)[0].fault_free_step_s(holders)
+
+
+def fewest_holders(scenario: Scenario, calibration: dict | str | Path | None = None,
+                   seed: int | None = None) -> int:
+    """The fewest nodes that held slots in any layout the seeded run trained with."""
+    sim, _ = _simulation(scenario, calibration, seed)
+    sim.run()
+    return min(sim.memberships)
 
 
 def build_summary(scenario: Scenario, events: list[Event], seed: int,
@@ -78,26 +101,6 @@ def build_summary(scenario: Scenario, events: list[Event], seed: int,
 def _one_replica(job: tuple[Scenario, int, dict | None]) -> dict[str, Any]:
     scenario, seed, calibration = job
     return simulate(scenario, seed, calibration).summary
-
-
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-        10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
-
-
-def t95(df: int) -> float:
-    """Two-sided 95% Student t critical value (table, conservative between entries)."""
-    if df <= 0:
-        return math.inf
-    keys = [k for k in sorted(_T95) if k <= df]
-    return _T95[keys[-1]] if df <= 120 else 1.960
-
-
-def mean_ci95(values: list[float]) -> tuple[float, list[float]]:
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, [mean, mean]
-    half = t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, [mean - half, mean + half]
 
 
 def simulate_replicas(scenario: Scenario, replicas: int, seed: int | None = None,

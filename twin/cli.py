@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from keel.errors import InputError
-from keel.events import write_events
+from keel.rundir import EVENTS, SUMMARY, print_json, write_run
 from keel.scenario import load
 from twin.model import WALL_LIMIT_FACTOR
 
@@ -33,18 +31,15 @@ def simulate(args: argparse.Namespace) -> int:
                                          progress=True)
         events = twin.simulate(scenario, seed=summary["seed"], calibration=calibration).events
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "events.jsonl").unlink(missing_ok=True)
-        write_events(out / "events.jsonl", events)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, allow_nan=False) + "\n")
+        write_run(out, events, summary)
     if args.json:
-        sys.stdout.write(json.dumps(summary, sort_keys=True, allow_nan=False) + "\n")
+        print_json(summary)
     else:
         print(headline(summary))
         if replicas == 1:
             print(fault_table(summary["faults"]))
         if out is not None:
-            print(f"wrote {out / 'events.jsonl'} and {out / 'summary.json'}")
+            print(f"wrote {out / EVENTS} and {out / SUMMARY}")
     return 0
 
 

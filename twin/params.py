@@ -4,7 +4,8 @@
 `TwinParams.from_scenario(scenario, calibration)` takes each one that a calibration measured
 from `calibration["primitives"][name]["median"]` (`keel calibrate` writes that file) and
 falls back to the scenario for the names it lacks. Names the twin does not know are ignored,
-so a calibration may carry more measurements than the twin uses.
+so a calibration may carry more measurements than the twin uses. The file's format, and its
+reading and checking, live in `keel/calibration.py`.
 
 Calibrated primitives (name: what it is; where the scenario value comes from):
   slot_compute_s          one slot's micro-batch on one nominal node, s (workload.step_compute_s)
@@ -61,29 +62,17 @@ topology's shape: the model scales the topology's figures by calibrated / refere
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
-from keel.errors import InputError, read_input
+from keel.calibration import CalibrationError, load as load_calibration, medians
 from keel.scenario import Scenario
 from twin.topology import Topology
 
+__all__ = ["TwinParams", "CalibrationError", "load_calibration", "DEFAULT_REFORM_S"]
+
 DEFAULT_REFORM_S = 0.1
-CALIBRATED = (
-    "slot_compute_s", "step_overhead_s", "reduce_latency_s", "reduce_gbyte_s", "detect_kill_s",
-    "detect_hang_s", "detect_rack_s", "reform_s", "state_transfer_gbyte_s", "spare_takeover_s",
-    "ckpt_snapshot_gbyte_s", "ckpt_write_gbyte_s", "ckpt_read_gbyte_s", "restart_s",
-    "spike_rounds", "spike_tail_s", "host_pace_per_worker",
-)
-_RATES = {"reduce_gbyte_s", "state_transfer_gbyte_s", "ckpt_snapshot_gbyte_s",
-          "ckpt_write_gbyte_s", "ckpt_read_gbyte_s", "slot_compute_s"}  # must be > 0
-
-
-class CalibrationError(InputError):
-    """A calibration file or dict the twin cannot use; the message names the file and key."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -138,7 +127,7 @@ class TwinParams:
             "ckpt_read_gbyte_s": c.read_gbyte_s,
             "restart_s": p.restart_s,
         }
-        measured = _medians(calibration, source) if calibration is not None else {}
+        measured = medians(calibration, source) if calibration is not None else {}
         values.update(measured)
         if "detect_rack_s" not in values:
             values["detect_rack_s"] = values["detect_kill_s"]
@@ -149,38 +138,3 @@ class TwinParams:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-
-def _medians(calibration: Any, source: str) -> dict[str, float]:
-    if not isinstance(calibration, dict):
-        raise CalibrationError(f"{source}: expected a JSON object, got {type(calibration).__name__}")
-    primitives = calibration.get("primitives")
-    if not isinstance(primitives, dict):
-        raise CalibrationError(f"{source}: key 'primitives': expected an object of measured primitives, got {primitives!r}")
-    out = {}
-    for name in CALIBRATED:
-        if name not in primitives:
-            continue
-        entry = primitives[name]
-        key = f"primitives.{name}.median"
-        if not isinstance(entry, dict) or "median" not in entry:
-            raise CalibrationError(f"{source}: key '{key}': missing; expected an object with a 'median'")
-        value = entry["median"]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise CalibrationError(f"{source}: key '{key}': expected a finite number, got {value!r}")
-        if value < 0 or (value == 0 and name in _RATES):
-            kind = "positive" if name in _RATES else "non-negative"
-            raise CalibrationError(f"{source}: key '{key}': expected a {kind} number, got {value!r}")
-        out[name] = float(value)
-    return out
-
-
-def load_calibration(path: str | Path) -> dict:
-    """Read a calibration.json; any problem is a CalibrationError naming the file."""
-    path = Path(path)
-    text = read_input(path, "calibration", CalibrationError)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CalibrationError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-    _medians(data, str(path))
-    return data

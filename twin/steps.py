@@ -8,6 +8,9 @@ Cost per step is one draw per *group* (nodes with the same slots and speed), not
 
 Step time = max over groups + reduction latency (+ N(0, jitter) from the links) + gradient
 bytes x seconds per byte + per-step overhead + the delay of any unmitigated latency spike.
+
+This module owns the distributions only (`StepShape.draw`, `StepShape.expected_s`, the normal
+maxima); twin/cost.py builds a `StepShape` from the cluster's state.
 """
 from __future__ import annotations
 

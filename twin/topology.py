@@ -17,6 +17,9 @@ The gradient reduction is hierarchical over the *active* training nodes (a membe
   3. all-gather inside every region: n_r - 1 phases again.
 Regions run phases 1 and 3 in parallel, so those cost the slowest region's; every phase of 2 is
 gated by its slowest ring edge. The cost is affine in the bytes: latency_s + bytes * s_per_byte.
+
+This module owns the graph and its routed costs (reduction, spike delay, transfer bandwidth);
+twin/cost.py scales them to the calibration and the cluster's membership.
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ button that runs the twin on it."""
 import streamlit as st
 
 from app import charts, data, ui
-from keel.cli import DEFAULT_SCENARIO
 from keel.errors import InputError
+from keel.paths import DEFAULT_SCENARIO
 
 ui.entry_guard()
 

@@ -1,0 +1,67 @@
+"""Checkpoints: when one is due, the pause it costs the trainer (`sync`: the write; `async`:
+the snapshot) and the background write of an async one, which a node fault or a restart
+aborts. The next checkpoint waits for the previous write. The bytes are spread over the nodes
+holding slots (twin/cost.py `share_s`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Generator
+
+import simpy
+
+if TYPE_CHECKING:
+    from twin.model import Simulation
+
+
+class Checkpoints:
+    def __init__(self, sim: Simulation):
+        self.sim = sim
+        self.env = sim.env
+        self.cost = sim.cost
+        self.params = sim.params
+        self.config = sim.scenario.checkpoint
+        self.run_steps = sim.scenario.run.steps
+        self.step = 0          # the last complete checkpoint's step (0: none)
+        self.attempted = 0     # the last step a checkpoint was taken at (its write may be running)
+        self.writer: simpy.Process | None = None
+
+    def due(self, committed: int) -> bool:
+        c = committed
+        return (c > 0 and c % self.config.interval_steps == 0
+                and c > self.attempted and c < self.run_steps)
+
+    def abort(self, reason: str) -> None:
+        """Interrupt the background write, if one is running: that checkpoint is lost."""
+        if self.writer is not None and self.writer.is_alive:
+            self.writer.interrupt(reason)
+
+    def take(self) -> Generator:
+        """Checkpoint the committed steps (inside the trainer process)."""
+        sim = self.sim
+        if self.writer is not None and self.writer.is_alive:
+            done = yield from sim.wait(self.writer, "paused")  # the previous write first
+            if not done:
+                return
+        step = sim.committed
+        mode = self.config.mode
+        sim.emit("checkpoint_start", mode=mode)
+        if mode == "sync":
+            done = yield from sim.wait(self.cost.share_s(self.params.ckpt_write_gbyte_s), "paused")
+            if done:
+                self.attempted = step
+                self.step = step
+                sim.emit("checkpoint_end", checkpoint_step=step)
+        else:
+            done = yield from sim.wait(self.cost.share_s(self.params.ckpt_snapshot_gbyte_s), "paused")
+            if done:
+                self.attempted = step
+                self.writer = self.env.process(self._write(step, self.cost.share_s(self.params.ckpt_write_gbyte_s)))
+
+    def _write(self, step: int, duration: float) -> Generator:
+        """The background write of an async checkpoint."""
+        try:
+            yield self.env.timeout(duration)
+        except simpy.Interrupt:
+            return
+        self.step = step
+        self.sim.emit("checkpoint_end", checkpoint_step=step)

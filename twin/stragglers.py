@@ -1,0 +1,217 @@
+"""Re-slotting under absorb that no node death forces: a latency spike's straggler detected,
+its slots parked on faster nodes and brought back when the spike ends, and a repaired node
+that rejoins as a spare relieving overloaded nodes.
+
+The straggler rule's constants and test are keel.recovery's (`straggler_excess_s`,
+`STRAGGLER_WARMUP_STEPS`), and so is where parked slots go (`park_destinations`); this module
+only times them in the twin. The generators run inside the trainer process (twin/model.py),
+through its `wait`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Generator
+
+from keel import recovery as R
+from twin.cluster import Node, merge
+
+if TYPE_CHECKING:
+    from twin.model import Simulation
+
+
+class Stragglers:
+    """The spikes being watched for a straggler, and the re-slots they lead to."""
+
+    def __init__(self, sim: Simulation):
+        self.sim = sim
+        self.cluster = sim.cluster
+        self.cost = sim.cost
+        self.params = sim.params
+        self.policy = sim.scenario.policy
+        self.watches: dict[int, int] = {}     # fault id -> committed steps at which its slots move
+        self.detect_at: dict[int, int] = {}   # fault id -> committed steps at which it is detected
+        self.spike_ends: list[int] = []       # spikes over, their episode still to close
+
+    # ------------------------------------------------------------------ what the trainer asks
+    def spike_started(self, fid: int) -> None:
+        self._catch_in_flight(fid)
+        self._watch(fid)
+
+    def spike_ended(self, fid: int) -> None:
+        self.watches.pop(fid, None)
+        self.detect_at.pop(fid, None)
+        self.spike_ends.append(fid)
+
+    def due(self) -> list[int]:
+        """Watched spikes whose straggler_window of slow steps is complete."""
+        return [f for f, at in self.watches.items() if at <= self.sim.committed]
+
+    def bounds(self, committed: int) -> list[int]:
+        """Steps after `committed` at which a detection or a move is due."""
+        return ([at for at in self.watches.values() if at > committed]
+                + [at for at in self.detect_at.values() if at > committed])
+
+    def clear(self) -> None:
+        """The job stopped (a restart): nothing is watched any more."""
+        self.watches.clear()
+        self.detect_at.clear()
+
+    # ------------------------------------------------------------------ a spike starts
+    def _catch_in_flight(self, fid: int) -> None:
+        """The runtime's gate delays a spiked worker's next collective at once: a step in flight
+        whose target has not reached its collectives yet (still computing) is late by the delay."""
+        sim = self.sim
+        sp = self.cluster.spikes[fid]
+        if sim.carry_s is None or not sp.active:
+            return
+        holders = self.cluster.spiked_holders(sp)
+        if not holders:
+            return
+        hf = self.cost.host_factor(self.cluster.holders())
+        compute = max(n.slots * self.params.slot_compute_s / n.speed for n in holders) * hf
+        if sim.carry_elapsed_s < compute:
+            delay = self.cost.spike_delay(sp, self.cluster.active_per_region(), step=sim.committed)
+            if self.params.spike_tail_s is None:
+                sim.carry_s += delay
+            else:
+                sim.carry_s = max(sim.carry_s, compute + delay + self.params.spike_tail_s - sim.carry_elapsed_s)
+            sp.in_flight = True
+
+    def _watch(self, fid: int) -> None:
+        """The runtime's straggler detection: a spiked worker is slow when its per-slot time to
+        reach the collective (its compute + the gate's delay, over its slots) exceeds
+        straggler_factor x the median (a healthy slot's compute) and the median by
+        STRAGGLER_MIN_EXCESS_S (keel.recovery.straggler_excess_s); `detect` at the first slow
+        commit, the move after straggler_window slow steps; the first STRAGGLER_WARMUP_STEPS of
+        a generation are not judged."""
+        sim = self.sim
+        if not sim.absorb:
+            return
+        sp = self.cluster.spikes[fid]
+        holders = self.cluster.spiked_holders(sp)
+        if not self.cluster.groups or not holders:  # nobody computing, or the target holds nothing
+            return
+        delay = self.cost.spike_delay(sp, self.cluster.active_per_region())
+        med = self.params.slot_compute_s * self.cost.host_factor(self.cluster.holders())
+        p = self.policy
+        excess = max(delay / n.slots for n in holders)
+        if delay <= 0 or excess <= R.straggler_excess_s(med, p.straggler_factor):
+            return
+        first = sim.committed + 1 + (1 if sim.carry_s is not None and not sp.in_flight else 0)
+        first = max(first, sim.gen_start + R.STRAGGLER_WARMUP_STEPS + 1)
+        self.detect_at[fid] = first
+        self.watches[fid] = first + p.straggler_window - 1
+
+    def detect_due(self) -> None:
+        """`detect` every watched spike whose first slow step is committed."""
+        for fid in [f for f, at in self.detect_at.items() if at <= self.sim.committed]:
+            del self.detect_at[fid]
+            sp = self.cluster.spikes.get(fid)
+            if sp is not None and sp.active and not sp.detected:
+                sp.detected = True
+                self.sim.emit_episode("detect", fid, slow_steps=1)
+
+    # ------------------------------------------------------------------ parking and back
+    def straggler(self, fid: int) -> Generator:
+        """straggler_window slow steps: park the target's slots if that makes steps faster."""
+        sim, c = self.sim, self.cluster
+        del self.watches[fid]
+        sp = c.spikes[fid]
+        if not sp.active:
+            return
+        if not sp.detected:
+            sp.detected = True
+            sim.emit_episode("detect", fid, slow_steps=self.policy.straggler_window)
+        if "/" in sp.target:
+            movers = [c.nodes[sp.target]] if c.nodes[sp.target].up and c.nodes[sp.target].slots > 0 else []
+        else:
+            movers = [n for n in c.active() if n.region == sp.target and n.slots > 0]
+        if not movers or len(movers) == c.holders():
+            return
+        before = self.cost.expected_s(self.cost.current_shape())
+        spares = c.spare_nodes(len(movers))
+        plan = self._plan_moves(movers, spares)
+        moving = {n.name for n in movers}
+        trial_nodes = [n for n in c.active() if n.name not in moving] + spares
+        trial_slots = {n.name: n.slots for n in trial_nodes}
+        for _, to, k in plan:
+            trial_slots[to] += k
+        if self.cost.expected_s(self.cost.shape(nodes=trial_nodes, slots=trial_slots)) >= before:
+            return  # moving would not help: endure the spike
+        sim.emit_episode("recover_start", fid)
+        for n in movers:
+            c.update(n, slots=0, role="parked")
+        for _, to, k in plan:
+            node = c.nodes[to]
+            c.update(node, role="train", slots=node.slots + k)
+        sp.moves = plan
+        sp.spare_receivers = {x.name for x in spares}
+        receivers = merge([(to, k) for _, to, k in plan])
+        sim.emit_episode("reslot", fid, slots=sum(k for _, _, k in plan), to=[f"{n}:{k}" for n, k in receivers])
+        takeover = self.params.spare_takeover_s if spares else 0.0
+        yield from sim.wait(self.params.reform_s + takeover + self.cost.transfer_s(receivers), "paused")
+        sim.gen_start = sim.committed
+
+    def _plan_moves(self, movers: list[Node], spares: list[Node]) -> list[tuple[str, str, int]]:
+        """(from, to, slots): keel.recovery.park_destinations."""
+        moving = {n.name for n in movers}
+        others = [n for n in self.cluster.active() if n.name not in moving]
+        return R.park_destinations([(m.name, m.slots) for m in movers], self.cluster.as_holders(others),
+                                   [s.name for s in spares], self.cost.topology.region_names)
+
+    def end_spike(self, fid: int) -> Generator:
+        """The spike is over: parked slots go home (what their receivers still hold), and the
+        episode ends."""
+        sim, c = self.sim, self.cluster
+        sp = c.spikes.pop(fid)
+        if not sp.moves:
+            sim.emit_episode("recover_end", fid)
+            return
+        back: list[tuple[str, int]] = []
+        for frm, to, k in sp.moves:
+            home, holder = c.nodes[frm], c.nodes[to]
+            if not home.up or home.role != "parked":
+                continue
+            take = min(k, holder.slots) if holder.up else 0
+            left = holder.slots - take
+            c.update(holder, slots=left,
+                     role="spare" if left == 0 and holder.up and to in sp.spare_receivers else None)
+            c.update(home, slots=home.slots + take)
+            back.append((frm, take))
+        for frm in dict.fromkeys(frm for frm, _, _ in sp.moves):  # home again, even if robbed meanwhile
+            home = c.nodes[frm]
+            if home.up and home.role == "parked":
+                c.update(home, role="train")
+        short = c.slot_count - c.held_slots - c.orphaned_slots()
+        if short > 0:
+            back += c.place(short, c.active())
+        back = [(n, k) for n, k in merge(back) if k > 0]
+        sim.emit_episode("reslot", fid, back=True, to=[f"{n}:{k}" for n, k in back])
+        # a returning straggler is behind: the runtime sends it the whole state, not a slot's share
+        homes = {frm for frm, _, _ in sp.moves}
+        copy = [(n, c.slot_count if n in homes else k) for n, k in back]
+        yield from sim.wait(self.params.reform_s + self.cost.transfer_s(copy), "paused")
+        sim.gen_start = sim.committed
+        sim.emit_episode("recover_end", fid)
+
+    # ------------------------------------------------------------------ a spare rejoins
+    def rebalance(self) -> Generator:
+        """A repaired node rejoined as a spare: under absorb it relieves overloaded nodes."""
+        sim, c = self.sim, self.cluster
+        sim.rejoined = False
+        if not sim.absorb:
+            return
+        moved: list[tuple[str, int]] = []
+        while c.spares and c.overloaded():
+            worst = max(c.active(), key=lambda n: (n.slots / n.speed, -n.index))
+            if worst.slots < 2:
+                break
+            spare = c.spare_nodes(1)[0]
+            give = worst.slots // 2
+            c.update(worst, slots=worst.slots - give)
+            c.update(spare, role="train", slots=give)
+            moved.append((spare.name, give))
+        if not moved:
+            return
+        sim.emit("reslot", None, moved[0][0], None, reason="rejoin", to=[f"{n}:{k}" for n, k in moved])
+        yield from sim.wait(self.params.reform_s + self.params.spare_takeover_s + self.cost.transfer_s(moved), "paused")
+        sim.gen_start = sim.committed
