@@ -9,14 +9,15 @@ on the same inputs and checks they decide the same.
   starts. A node's capacity is its region's `speed`: a node computes one slot's micro-batch in
   `workload.step_compute_s / speed` whatever its `gpus_per_node` (which the scenario already
   folds into those two figures); a region's capacity is the sum over its live nodes.
-- The straggler rule (`is_straggler`, `probe_recovered`, `STRAGGLER_*`).
+- The straggler rule (`is_straggler` on a measured time per slot, `straggler_excess_s` on a
+  predicted delay per slot: one inequality in the form each side has; `probe_recovered`).
 - `resolve_schedule`: each scheduled fault with its class's parameters filled in.
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 ABSORB_ACTION = {
     "hardware_fault": "replicate_resume",
@@ -57,10 +58,10 @@ def shard_skipped(quarantine: bool, quarantined: Sequence[str] | set[str], shard
 
 # ----------------------------------------------------------------------------- slots
 
-@dataclass(frozen=True, slots=True)
-class Holder:
+class Holder(NamedTuple):
     """A live node that can take slots: its name, region, capacity (`speed`, or a measured
-    1 / seconds per slot), the slots it holds now, and its place in scenario order."""
+    1 / seconds per slot), the slots it holds now, and its place in scenario order. (A tuple:
+    the twin builds one per node at every node fault of a 16,384-node cluster.)"""
     name: str
     region: str
     speed: float

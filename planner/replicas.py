@@ -1,16 +1,16 @@
-"""Where twin replicas run: in this process, in local worker processes (the default), or as
-Ray tasks on a Ray cluster (`--ray ADDRESS`, optional extra `ray`).
+"""Where twin replicas run for the planner: the twin's own runners (`twin.SerialRunner`, in
+this process; `twin.LocalRunner`, local processes, the default), or Ray tasks on a Ray cluster
+(`--ray ADDRESS`, optional extra `ray`).
 
 A job is (scenario, seed, calibration); its result is the small part of the twin's summary
 the planner scores on, so no event log travels back.
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from keel.errors import InputError
+from twin import LocalRunner, SerialRunner
 
 Job = tuple[Any, int, Mapping[str, Any] | None]
 
@@ -28,46 +28,6 @@ def twin_summary(job: Job) -> dict[str, Any]:
                                             "downtime_s", "cost_s", "lost_steps")}
                      for f in summary.get("faults", ())]
     return out
-
-
-class SerialRunner:
-    """Runs every job in this process."""
-
-    def __init__(self, fn: Callable[[Job], dict] = twin_summary):
-        self.fn = fn
-
-    def map(self, jobs: Sequence[Job]) -> list[dict]:
-        return [self.fn(j) for j in jobs]
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> "SerialRunner":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class LocalRunner(SerialRunner):
-    """Runs jobs in a pool of local processes (one per core unless told otherwise)."""
-
-    def __init__(self, processes: int | None = None, fn: Callable[[Job], dict] = twin_summary):
-        super().__init__(fn)
-        self.processes = processes or os.cpu_count() or 1
-        self._pool: ProcessPoolExecutor | None = None
-
-    def map(self, jobs: Sequence[Job]) -> list[dict]:
-        if self.processes <= 1 or len(jobs) <= 1:
-            return super().map(jobs)
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=self.processes)
-        return list(self._pool.map(self.fn, jobs))
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
 
 
 class RayRunner(SerialRunner):
@@ -94,10 +54,8 @@ class RayRunner(SerialRunner):
             self._started = True
         self._task = ray.remote(fn)
 
-    def map(self, jobs: Sequence[Job]) -> list[dict]:
-        if not jobs:
-            return []
-        return self._ray.get([self._task.remote(j) for j in jobs])
+    def imap(self, jobs: Sequence[Job]) -> Iterator[dict]:
+        return iter(self._ray.get([self._task.remote(j) for j in jobs]) if jobs else [])
 
     def close(self) -> None:
         if self._started:
@@ -109,7 +67,7 @@ def make_runner(ray_address: str | None = None, processes: int | None = None,
                 fn: Callable[[Job], dict] = twin_summary) -> SerialRunner:
     if ray_address:
         return RayRunner(ray_address, fn)
-    return LocalRunner(processes, fn)
+    return LocalRunner(fn, processes)
 
 
 def seeds_for(base_seed: int, replicas: int) -> list[int]:

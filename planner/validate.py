@@ -55,13 +55,13 @@ def twin_prediction(scenario: S.Scenario, calibration: Mapping[str, Any] | Seque
     replica i uses calibration i mod n, so the pooled replicas predict the repetitions."""
     import twin
     from keel.rundir import write_run
-    from planner.replicas import LocalRunner, seeds_for
+    from planner.replicas import LocalRunner, seeds_for, twin_summary
     cals = [dict(c) for c in calibration] if isinstance(calibration, (list, tuple)) else [dict(calibration)]
     replay = PS.schedule_only(scenario)
     result = twin.simulate(replay, seed=scenario.run.seed, calibration=cals[0])
     write_run(out_dir / "twin", result.events, result.summary)
     seeds = seeds_for(scenario.run.seed, replicas)
-    with LocalRunner(processes) as runner:
+    with LocalRunner(twin_summary, processes) as runner:
         reps = runner.map([(replay, s, cals[i % len(cals)]) for i, s in enumerate(seeds)])
     return {"reference": result.summary, "replicas": reps, "seeds": seeds, "calibrations": len(cals),
             "detect_s": detect_times(result.events)}

@@ -46,6 +46,16 @@ def _set_pdeathsig() -> None:
         pass
 
 
+def _pick_device(device: str, backend: str, local_index: int) -> str:
+    """The worker's device; with NCCL each rank on a GPU of its own (the node's index among
+    this machine's GPUs, or torchrun's LOCAL_RANK)."""
+    if device.startswith("cuda"):
+        if backend == "nccl":
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', local_index)) % torch.cuda.device_count()}"
+        torch.cuda.set_device(torch.device(device))
+    return device
+
+
 class Worker:
     def __init__(self, address: str, node: str | None, rank_hint: int | None):
         t_start = time.perf_counter()
@@ -66,12 +76,8 @@ class Worker:
         self.scenario = from_dict(welcome["scenario"], source=welcome.get("source", "<coordinator>"))
         torch.set_num_threads(1)
         torch.manual_seed(self.scenario.run.seed)
-        self.device = welcome.get("device") or "cpu"
         self.backend = welcome.get("backend") or "gloo"
-        if self.device.startswith("cuda"):
-            if self.backend == "nccl":  # one GPU per rank: the node's index among this machine's GPUs
-                self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', welcome.get('local_index', 0))) % torch.cuda.device_count()}"
-            torch.cuda.set_device(torch.device(self.device))
+        self.device = _pick_device(welcome.get("device") or "cpu", self.backend, welcome.get("local_index", 0))
 
         from runtime.data import Loader, ensure_dataset
         from runtime.model import build_model, build_optimizer

@@ -98,7 +98,7 @@ def test_common_random_numbers():
     """Same seeds: one policy scores identically twice; two policies see the same fault times."""
     b = big()
     seeds = seeds_for(b.run.seed, 2)
-    ev = search.Evaluator(scenario=b, seeds=seeds, runner=SerialRunner())
+    ev = search.Evaluator(scenario=b, seeds=seeds, runner=SerialRunner(twin_summary))
     policy = {"checkpoint.interval_steps": 150}
     first = ev.score(policy)
     ev.cache.clear()

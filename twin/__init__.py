@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,11 @@ from keel.calibration import CalibrationError, load as load_calibration
 from keel.events import Event
 from keel.metrics import summarize
 from keel.scenario import Scenario
+from keel.progress import progress_bar
 from keel.stats import mean_ci95
+from twin.replicas import LocalRunner, SerialRunner
 
-__all__ = ["TwinResult", "simulate", "simulate_replicas", "build_summary", "fault_free_step_s",
+__all__ = ["TwinResult", "simulate", "simulate_replicas", "LocalRunner", "SerialRunner", "build_summary", "fault_free_step_s",
            "fewest_holders", "load_calibration", "CalibrationError"]
 
 
@@ -115,29 +116,15 @@ def simulate_replicas(scenario: Scenario, replicas: int, seed: int | None = None
     data, _ = _calibration(calibration)
     jobs = [(scenario, base + i, data) for i in range(replicas)]
     processes = processes or min(replicas, os.cpu_count() or 1)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=replicas, desc=f"{scenario.run.name} replicas", file=sys.stderr, unit="run")
+    bar = progress_bar(total=replicas, desc=f"{scenario.run.name} replicas", unit="run", enabled=progress)
     summaries: list[dict[str, Any]] = []
     try:
-        if processes <= 1:
-            for job in jobs:
-                summaries.append(_one_replica(job))
-                if bar:
-                    bar.update()
-        else:
-            import multiprocessing
-            methods = multiprocessing.get_all_start_methods()
-            context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-            with context.Pool(processes) as pool:
-                for summary in pool.imap(_one_replica, jobs):
-                    summaries.append(summary)
-                    if bar:
-                        bar.update()
+        with LocalRunner(_one_replica, processes) as runner:
+            for summary in runner.imap(jobs):
+                summaries.append(summary)
+                bar.update()
     finally:
-        if bar:
-            bar.close()
+        bar.close()
     goodput, ci = mean_ci95([s["goodput"] for s in summaries])
     first = summaries[0]
     return {
