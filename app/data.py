@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from keel import metrics, rundir
 from keel.errors import InputError
 from keel.events import Event
-from keel.scenario import Scenario
+from keel.scenario import Scenario, override_text
 
 RUN_KINDS = ("validation", "run", "plan")
 # Lanes that are not a node, a region or a shard; they sort first on a timeline.
@@ -301,12 +301,12 @@ def policy_of(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def policy_text(policy: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={_toml(v)}" for k, v in sorted(policy.items()))
+    return ", ".join(override_text(k, v) for k, v in sorted(policy.items()))
 
 
 def overrides_of(policy: dict[str, Any]) -> list[str]:
     """{dotted key: value} -> ['key=value', ...] for `keel.scenario.load(..., overrides)`."""
-    return [f"{k}={_toml(v)}" for k, v in policy.items()]
+    return [override_text(k, v) for k, v in policy.items()]
 
 
 def edit_overrides(base: Scenario, values: dict[str, Any], extra: str = "") -> list[str]:
@@ -319,17 +319,9 @@ def edit_overrides(base: Scenario, values: dict[str, Any], extra: str = "") -> l
         for part in key.split("."):
             node = node[int(part)] if isinstance(node, list) else node[part]
         return node
-    out = [f"{k}={_toml(v)}" for k, v in values.items() if v != in_file(k)]
+    out = [override_text(k, v) for k, v in values.items() if v != in_file(k)]
     out += [line.strip() for line in extra.splitlines() if line.strip() and not line.strip().startswith("#")]
     return out
-
-
-def _toml(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return json.dumps(v)
-    return repr(v)
 
 
 # ----------------------------------------------------------------------------- timelines

@@ -600,7 +600,13 @@ def dumps(scenario: Scenario) -> str:
     return _toml_dump(scenario.to_dict())
 
 
-def _toml_value(v: Any) -> str:
+def override_text(key: str, value: Any) -> str:
+    """`key=value` as `--set` takes it (parse_override reads it back)."""
+    return f"{key}={toml_value(value)}"
+
+
+def toml_value(v: Any) -> str:
+    """A scalar as TOML writes it (what `--set key=VALUE` reads back)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -616,7 +622,7 @@ def _toml_dump(d: dict, prefix: str = "") -> str:
     if scalars and prefix:
         lines.append(f"[{prefix}]")
     for k, v in scalars.items():
-        lines.append(f"{k} = {_toml_value(v)}")
+        lines.append(f"{k} = {toml_value(v)}")
     if scalars:
         lines.append("")
     for k, v in d.items():
@@ -626,7 +632,7 @@ def _toml_dump(d: dict, prefix: str = "") -> str:
         elif isinstance(v, list):
             for item in v:
                 lines.append(f"[[{name}]]")
-                lines += [f"{ik} = {_toml_value(iv)}" for ik, iv in item.items() if iv is not None]
+                lines += [f"{ik} = {toml_value(iv)}" for ik, iv in item.items() if iv is not None]
                 lines.append("")
     return "\n".join(lines)
 

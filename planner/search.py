@@ -336,7 +336,7 @@ def _flat(r: dict) -> dict:
     out = dict(r["policy"])
     out.update({k: r[k] for k in ("goodput", "goodput_ci95", "cost_node_hours_per_step", "cost_ci95",
                                   "wall_s", "restarts", "paid_nodes") if k in r})
-    out["set"] = [f"{k}={_toml(v)}" for k, v in r["policy"].items()]
+    out["set"] = [S.override_text(k, v) for k, v in r["policy"].items()]
     out["source"] = r.get("source")
     return out
 
@@ -344,14 +344,6 @@ def _flat(r: dict) -> dict:
 def _trial(r: dict) -> dict:
     return {k: r[k] for k in ("number", "source", "policy", "goodput", "goodput_ci95",
                               "cost_node_hours_per_step", "wall_s", "restarts", "paid_nodes") if k in r}
-
-
-def _toml(v: Any) -> str:
-    if isinstance(v, str):
-        return f'"{v}"'
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return repr(v)
 
 
 # ----------------------------------------------------------------------------- printing
