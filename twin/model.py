@@ -325,7 +325,7 @@ class Simulation:
         for n in dead:
             c.update(n, slots=0, role="down")
         spares = [n.name for n in c.spare_nodes(1)]
-        picks = R.place_lost_slots(info.action, lost, c.as_holders(c.active()), spares,
+        picks = R.place_lost_slots(info.action, lost, lambda: c.as_holders(c.active()), spares,
                                    self.topology.region_names, lost_region=info.target)
         takeover = 0.0
         if spares and spares[0] in picks:
