@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--resume", default=None, help="resume from the newest complete checkpoint in DIR")
     sp.add_argument("--allow-config-change", action="store_true", help="resume even if the config hash differs")
     sp.add_argument("--no-faults", action="store_true", help="ignore faults.schedule")
+    sp.add_argument("--emulate", action="store_true",
+                    help="emulate the scenario's cluster on this machine (emulation.enabled = true): "
+                         "one worker per node, the scenario's compute, network, storage and detection times")
+    sp.add_argument("--time-scale", type=float, default=None, metavar="X",
+                    help="wall seconds per emulated second (emulation.time_scale; default: the scenario's)")
     sp.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="join a coordinator running elsewhere")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=_handler("runtime.cli:run"))

@@ -35,6 +35,21 @@ def spike_factor(seed: int, node: str, step: int | str) -> float:
     return 1.0 - SPIKE_SPREAD + 2.0 * SPIKE_SPREAD * int.from_bytes(digest, "big") / 2.0 ** 64
 
 
+def compute_factor(seed: int, node: str, step: int, cv: float) -> float:
+    """A node's compute time at 0-based step `step`, as a multiple of its nominal time: a
+    normal draw of mean 1 and standard deviation `cv` (`workload.compute_jitter`), clamped to
+    [0.05, 1 + 6 cv]; a pure function of (run seed, node, step), so a repeated emulated run
+    computes as long, step by step, and a replay of a step after a recovery as long as the
+    first time. Box-Muller over two uniforms from blake2b of "seed/node/step/compute"."""
+    if cv <= 0:
+        return 1.0
+    digest = hashlib.blake2b(f"{seed}/{node}/{step}/compute".encode(), digest_size=16).digest()
+    u1 = (int.from_bytes(digest[:8], "big") + 1) / (2.0 ** 64 + 1)
+    u2 = int.from_bytes(digest[8:], "big") / 2.0 ** 64
+    z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+    return min(max(1.0 + cv * z, 0.05), 1.0 + 6.0 * cv)
+
+
 class ScenarioError(InputError):
     """A scenario (file or override) that cannot be used; the message names file and key."""
 
@@ -179,6 +194,18 @@ class Validate:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Emulation:
+    enabled: bool = _doc("the runtime emulates the cluster this scenario describes on one machine "
+                         "(one worker per node; compute, network, storage and detection take the "
+                         "scenario's times, multiplied by time_scale); `keel run --emulate`", False)
+    time_scale: float = _doc("wall seconds per emulated second (0.1: the emulated cluster runs 10x faster "
+                             "than the real one would)", 1.0)
+    max_overrun_fraction: float = _doc("largest fraction of a run's step reports whose real work outran "
+                                       "its emulated time for the run to count as a faithful emulation "
+                                       "(a validation beyond it is invalid)", 0.02)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Scenario:
     run: Run = _doc("the run", default_factory=Run)
     workload: Workload = _doc("what one step costs", default_factory=Workload)
@@ -190,6 +217,7 @@ class Scenario:
     model: Model = _doc("the runtime's model", default_factory=Model)
     data: Data = _doc("the runtime's dataset", default_factory=Data)
     validate: Validate = _doc("validation tolerances, declared before the run", default_factory=Validate)
+    emulation: Emulation = _doc("the runtime's emulated-cluster mode", default_factory=Emulation)
     source: str = field(default="<scenario>", compare=False, metadata={"internal": True})
 
     # -- derived, never stored
@@ -553,6 +581,9 @@ def _check(s: Scenario) -> None:
     positive(s.validate.repetitions, "validate.repetitions")
     positive(s.validate.pace_steady_tol, "validate.pace_steady_tol")
     positive(s.validate.reruns, "validate.reruns", True)
+    positive(s.emulation.time_scale, "emulation.time_scale")
+    if not 0.0 <= s.emulation.max_overrun_fraction <= 1.0:
+        fail("emulation.max_overrun_fraction", f"expected a fraction in [0, 1], got {s.emulation.max_overrun_fraction!r}")
 
 
 def _connected(s: Scenario, a: str, b: str) -> bool:

@@ -156,8 +156,11 @@ def _serialize(s: Snapshot) -> dict[str, bytes]:
     }
 
 
-def write_snapshot(run_dir: str | Path, snapshot: Snapshot, keep: int = 3) -> Path:
-    """Commit a snapshot as `run_dir/step-NNNNNNNN` (the protocol above), then keep the newest `keep`."""
+def write_snapshot(run_dir: str | Path, snapshot: Snapshot, keep: int = 3,
+                   before_commit: Callable[[], None] | None = None) -> Path:
+    """Commit a snapshot as `run_dir/step-NNNNNNNN` (the protocol above), then keep the newest
+    `keep`. `before_commit` runs once every file is written and fsynced, before the rename that
+    commits them (the emulated cluster waits out its storage's write time there)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     files = _serialize(snapshot)
@@ -174,6 +177,8 @@ def write_snapshot(run_dir: str | Path, snapshot: Snapshot, keep: int = 3) -> Pa
         manifest["manifest_sha256"] = sha256(_canonical(manifest)).hexdigest()
         write_synced(tmp / MANIFEST, _json_bytes(manifest))
         fsync_dir(tmp)
+        if before_commit is not None:
+            before_commit()
         if final.exists():  # the same step written again (a redone step): replace it
             trash = run_dir / f".trash-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
             os.rename(final, trash)
@@ -190,11 +195,12 @@ def write_snapshot(run_dir: str | Path, snapshot: Snapshot, keep: int = 3) -> Pa
 
 def save_checkpoint(run_dir: str | Path, *, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     rng: dict[str, Any], data_state: dict[str, Any], config_hash: str, config: dict[str, Any],
-                    topology: dict[str, Any], keep: int = 3) -> Path:
+                    topology: dict[str, Any], keep: int = 3,
+                    before_commit: Callable[[], None] | None = None) -> Path:
     """Write a checkpoint synchronously; returns its directory."""
     snap = take_snapshot(step=step, model=model, optimizer=optimizer, rng=rng, data_state=data_state,
                          config_hash=config_hash, config=config, topology=topology)
-    return write_snapshot(run_dir, snap, keep)
+    return write_snapshot(run_dir, snap, keep, before_commit)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -230,10 +236,12 @@ class AsyncCheckpointer:
     `on_done(step, path, write_s, error)` is called from the writer thread when a write ends."""
 
     def __init__(self, run_dir: str | Path, keep: int = 3,
-                 on_done: Callable[[int, Path | None, float, BaseException | None], None] | None = None) -> None:
+                 on_done: Callable[[int, Path | None, float, BaseException | None], None] | None = None,
+                 before_commit: Callable[[int], None] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.keep = keep
         self.on_done = on_done
+        self.before_commit = before_commit  # called with the step, in the writer thread (write_snapshot)
         self.last_error: BaseException | None = None
         self.last_path: Path | None = None
         self.history: list[dict[str, Any]] = []
@@ -257,7 +265,9 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         path, error = None, None
         try:
-            path = write_snapshot(self.run_dir, snap, self.keep)
+            hook = self.before_commit
+            path = write_snapshot(self.run_dir, snap, self.keep,
+                                  None if hook is None else (lambda: hook(snap.step)))
             self.last_path = path
         except BaseException as e:  # recorded, decided on by the caller
             error = e

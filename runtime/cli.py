@@ -1,5 +1,5 @@
 """`keel run SCENARIO [--set k=v]... [--steps N] [--out DIR] [--resume DIR] [--allow-config-change]
-[--no-faults] [--coordinator HOST:PORT] [--json]`.
+[--no-faults] [--emulate [--time-scale X]] [--coordinator HOST:PORT] [--json]`.
 
 Without `--coordinator`: this process is the coordinator and spawns one worker per node.
 With `--coordinator HOST:PORT`: this process is one worker joining that coordinator (the
@@ -22,7 +22,17 @@ def run(args: argparse.Namespace) -> int:
     from keel.scenario import load
     from runtime.api import run_scenario
 
-    scenario = load(args.scenario, args.overrides)
+    from keel.errors import InputError
+    from keel.scenario import override_text
+    overrides = list(args.overrides)
+    if args.emulate:
+        overrides.append(override_text("emulation.enabled", True))
+    if args.time_scale is not None:
+        overrides.append(override_text("emulation.time_scale", args.time_scale))
+    scenario = load(args.scenario, overrides)
+    if args.time_scale is not None and not scenario.emulation.enabled:
+        raise InputError("--time-scale: only an emulated run has a time scale "
+                         "(add --emulate, or set emulation.enabled = true)")
     if args.out:
         out = Path(args.out)
     elif args.resume:
@@ -41,7 +51,14 @@ def run(args: argparse.Namespace) -> int:
               f"faults {len(faults)} ({absorbed} absorbed), restarts {summary['restarts']}; "
               f"final loss {summary['losses'][-1] if summary['losses'] else float('nan'):.4f}; "
               f"weights {summary['final_weights_sha256'][:16]}...; out {out}")
+        clock = " (emulated)" if "emulation" in summary else ""
         for f in faults:
             print(f"  fault {f['fault_id']}: {f['class']} {f['target']} at step {f['at_step']}: "
-                  f"{f['action']}, downtime {f['downtime_s']:.3f} s, cost {f['cost_s']:.3f} s", file=sys.stdout)
+                  f"{f['action']}, downtime {f['downtime_s']:.3f} s{clock}, cost {f['cost_s']:.3f} s", file=sys.stdout)
+        emu = summary.get("emulation")
+        if emu:
+            print(f"  emulated cluster at time scale {emu['time_scale']:g}: {emu['overruns']} of {emu['reports']} "
+                  f"step reports late ({emu['overrun_fraction']:.1%}, limit {emu['max_overrun_fraction']:.0%}; "
+                  f"worst {emu['worst_late_s']:.3f} s), {emu['compute_overruns']} compute overruns"
+                  f"{'' if emu['faithful'] else ': NOT a faithful emulation'}")
     return 0

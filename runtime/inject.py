@@ -89,38 +89,43 @@ class CommGate:
     elsewhere; a spike is started once, by whichever comes first. The delay of each pass is
     `spike_ms x keel.scenario.spike_factor(seed, node, step)` (probes count on their own)."""
 
-    def __init__(self, seed: int, node: str):
+    def __init__(self, seed: int, node: str, scale: float = 1.0, sleeps: bool = True):
         self.seed = seed
         self.node = node
+        self.scale = scale    # wall seconds per second of the schedule (an emulated cluster's time_scale)
+        self.sleeps = sleeps  # False in an emulated cluster: the delay is added to the messages' times
         self._lock = threading.Lock()
         self._until = 0.0
         self._spike_s = 0.0
-        self._expected: list[list] = []   # [[index, from_step, spike_ms, duration_s], ...]
+        self.scope: str | None = None  # the spike now: "node" (the node's messages) or "region" (its links)
+        self._expected: list[list] = []   # [[index, from_step, spike_ms, duration_s, scope], ...]
         self._started: set[int] = set()
         self._probes = 0
 
     def expect(self, schedule: list[list]) -> None:
-        """The scheduled spikes on this node: [[index, from_step, spike_ms, duration_s], ...]."""
+        """The scheduled spikes on this node: [[index, from_step, spike_ms, duration_s, scope], ...]."""
         with self._lock:
             self._expected = [list(e) for e in schedule]
 
-    def start(self, index: int, spike_ms: float, duration_s: float) -> None:
+    def start(self, index: int, spike_ms: float, duration_s: float, scope: str = "node") -> None:
         with self._lock:
-            self._start(index, spike_ms, duration_s)
+            self._start(index, spike_ms, duration_s, scope)
 
-    def _start(self, index: int, spike_ms: float, duration_s: float) -> None:
+    def _start(self, index: int, spike_ms: float, duration_s: float, scope: str) -> None:
         if index in self._started:
             return
         self._started.add(index)
         self._spike_s = spike_ms / 1000.0
-        self._until = time.monotonic() + duration_s
+        self.scope = scope
+        self._until = time.monotonic() + duration_s * self.scale
 
     def delay(self, step: int | None = None) -> float:
+        """The delay of a pass, in the schedule's seconds (0 when no spike is on)."""
         with self._lock:
             if step is not None:
-                for index, from_step, spike_ms, duration_s in self._expected:
+                for index, from_step, spike_ms, duration_s, scope in self._expected:
                     if step >= from_step:
-                        self._start(index, spike_ms, duration_s)
+                        self._start(index, spike_ms, duration_s, scope)
             if time.monotonic() >= self._until or self._spike_s <= 0:
                 return 0.0
             if step is None:
@@ -131,9 +136,12 @@ class CommGate:
             return self._spike_s * spike_factor(self.seed, self.node, key)
 
     def pass_through(self, interrupt: threading.Event | None = None, step: int | None = None) -> float:
-        """Take the delay (of 0-based step `step`, or of a probe); returns the seconds spent."""
+        """Take the delay (of 0-based step `step`, or of a probe); returns the seconds spent
+        (without `sleeps`: returns the delay at once, for the caller to add to its clock)."""
         t0 = time.perf_counter()
         d = self.delay(step)
+        if not self.sleeps:
+            return d
         if d > 0:
             if interrupt is not None:
                 interrupt.wait(d)

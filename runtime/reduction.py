@@ -278,8 +278,10 @@ class SlotReducer:
     """The reduction of one step on a process group: one collective when a priori bounds
     hold, else two."""
 
-    def __init__(self, layout: Layout, slots: int, device: str = "cpu", waiter: Waiter | None = None):
+    def __init__(self, layout: Layout, slots: int, device: str = "cpu", waiter: Waiter | None = None,
+                 collective: Callable[[object, torch.Tensor, str, Callable[[], bool]], torch.Tensor] | None = None):
         self.waiter = waiter
+        self.collective = collective  # (pg, tensor, "sum" | "max", should_abort) -> tensor; None: gloo's all-reduce
         self.layout = layout
         self.slots = slots
         self.device = device
@@ -297,7 +299,6 @@ class SlotReducer:
         workers holding a non-finite value). If no one overflowed, that sum is the result; if
         someone did, the step falls back to the two rounds. Which path a step takes depends
         only on the state and the slots' values, so it is the same in every replay."""
-        import torch.distributed as dist
         layout, slots = self.layout, self.slots
         exps = bound_exponents(bounds)
         if exps is not None:
@@ -309,7 +310,7 @@ class SlotReducer:
         before_comm()
         self.last_rounds = 1
         if exps is not None:
-            buf = self._allreduce(pg, buf, dist.ReduceOp.SUM, should_abort)
+            buf = self._allreduce(pg, buf, "sum", should_abort)
             over, nonfinite = buf[-2:].tolist()
             if nonfinite:
                 return None
@@ -317,13 +318,17 @@ class SlotReducer:
                 return decode(layout, buf[:-2], sh, slots)
             m = local_maxima(layout, slot_vectors)
         self.last_rounds = 2
-        m = self._allreduce(pg, m, dist.ReduceOp.MAX, should_abort)
+        m = self._allreduce(pg, m, "max", should_abort)
         if m[-1] > 0:
             return None
         sh = shifts(m, slots)
-        total = self._allreduce(pg, encode(layout, slot_vectors, sh), dist.ReduceOp.SUM, should_abort)
+        total = self._allreduce(pg, encode(layout, slot_vectors, sh), "sum", should_abort)
         return decode(layout, total, sh, slots)
 
-    def _allreduce(self, pg, t: torch.Tensor, op, should_abort: Callable[[], bool]) -> torch.Tensor:
+    def _allreduce(self, pg, t: torch.Tensor, op: str, should_abort: Callable[[], bool]) -> torch.Tensor:
+        if self.collective is not None:
+            return self.collective(pg, t, op, should_abort)
+        import torch.distributed as dist
         t = t if self.device == "cpu" else t.to(self.device)
-        return allreduce(pg, t, op, should_abort, self.waiter).cpu()
+        reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        return allreduce(pg, t, reduce_op, should_abort, self.waiter).cpu()

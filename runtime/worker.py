@@ -91,7 +91,15 @@ class Worker:
         self.params = list(self.model.parameters())
         self.layout = Layout(tuple(p.numel() for p in self.params) + (1,))
         self.waiter = Waiter()
-        self.reducer = SlotReducer(self.layout, sc.slot_count, self.device, self.waiter)
+        emu = welcome.get("emulation")
+        self.emu = None  # the emulated node (runtime/emulation/node.py), or None on real hardware
+        self.scale = 1.0
+        if emu:
+            from runtime.emulation.node import NodeEmulation
+            self.emu = NodeEmulation(sc, self.node, float(emu["anchor"]), float(emu["scale"]))
+            self.scale = self.emu.scale
+        self.reducer = SlotReducer(self.layout, sc.slot_count, self.device, self.waiter,
+                                   collective=self._emulated_collective if self.emu else None)
         self.total_steps = sc.run.steps
         self.committed = 0  # a fresh worker holds the state of step 0 of a fresh run
         self.quarantine: frozenset[int] = frozenset()
@@ -99,7 +107,7 @@ class Worker:
         store_host = welcome.get("store_host") or host
         self.groups = GroupFactory(self.backend, store_host, int(welcome["store_port"]),
                                    welcome.get("gloo_host") or ("127.0.0.1" if store_host in ("127.0.0.1", "localhost") else ""))
-        self.gate = CommGate(sc.run.seed, self.node)
+        self.gate = CommGate(sc.run.seed, self.node, self.scale, sleeps=self.emu is None)
         self.abort_gen = -1
         self.stopping = False
         self.gen = -1
@@ -110,6 +118,10 @@ class Worker:
         self.standby = True
         self.checkpointer = None
         self._stalls: dict[int, float] = {}
+        self._write_end: dict = {}          # emulated: step -> when its write ends ("last": the newest)
+        self._write_s: dict[int, float] = {}
+        self._ring = None                   # emulated: the reduction's layout, by rank
+        self._round = 0
         self.at = "joined, idle"  # where this worker is, sent with every heartbeat (stall reports)
         threading.Thread(target=self._reader, daemon=True, name="reader").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
@@ -133,14 +145,15 @@ class Worker:
                 self.waiter.interrupt()
                 self.inbox.put(msg)
             elif kind == "jitter":
-                self.gate.start(int(msg["index"]), float(msg["spike_ms"]), float(msg["duration_s"]))
+                self.gate.start(int(msg["index"]), float(msg["spike_ms"]), float(msg["duration_s"]),
+                                msg.get("scope", "node"))
             elif kind == "kill":
                 kill_self()
             else:
                 self.inbox.put(msg)
 
     def _heartbeat(self) -> None:
-        period = self.scenario.policy.heartbeat_s
+        period = self.scenario.policy.heartbeat_s * self.scale
         while True:
             msg: dict[str, Any] = {"type": "hb", "at": self.at}
             if self.standby:
@@ -189,7 +202,7 @@ class Worker:
         self.quarantine = frozenset(msg.get("quarantine", ()))
         self.poison = [list(p) for p in msg.get("poison", [])]
         region = self.node.rsplit("/", 1)[0]
-        self.gate.expect([[index, from_step, spike_ms, duration_s]
+        self.gate.expect([[index, from_step, spike_ms, duration_s, "node" if target == self.node else "region"]
                           for index, target, from_step, spike_ms, duration_s in msg.get("jitter", [])
                           if target in (self.node, region)])
         self.slots = list(msg["slots"])
@@ -200,15 +213,21 @@ class Worker:
         try:
             self.at = f"gen {g} rank {rank}/{world}: forming the group"
             pg = self.groups.make(g, rank, world)
-            t_pg = time.perf_counter() - t0
+            t_pg = (time.perf_counter() - t0) / self.scale
+            if self.emu is not None:
+                self.emu.start_generation(float(msg.get("not_before", 0.0)))
+                self.emu.generation(self.members)
+                self._ring = None
+            c1 = self.emu.c if self.emu is not None else 0.0
+            t1 = time.perf_counter()
             if msg.get("load") and rank == msg["source"]:
                 self.at = f"gen {g}: loading {msg['load']}"
                 self._load_checkpoint(msg["load"])
-            t1 = time.perf_counter()
             if msg.get("behind"):
-                self._transfer_state(g, rank, int(msg["source"]), list(msg["behind"]), should_abort)
+                self._transfer_state(g, rank, int(msg["source"]), list(msg["behind"]), should_abort,
+                                     loaded=bool(msg.get("load")))
             self.committed = int(msg["start_step"])
-            t_state = time.perf_counter() - t1
+            t_state = time.perf_counter() - t1 if self.emu is None else self.emu.c - c1
             self.chan.send({"type": "ready", "gen": g, "pg_s": t_pg, "state_s": t_state})
             self.rank = rank
             self._train(pg, g, should_abort)
@@ -240,27 +259,43 @@ class Worker:
                 out += [st["exp_avg"], st["exp_avg_sq"], st["step"].reshape(1)]
         return out
 
-    def _transfer_state(self, g: int, rank: int, source: int, behind: list[int], should_abort) -> None:
+    def _transfer_state(self, g: int, rank: int, source: int, behind: list[int], should_abort,
+                        loaded: bool = False) -> None:
         """Weights and AdamW state from the live peer `source` to the members that are behind
         (a hot spare, a returning straggler), in one flat float32 tensor (bytes copied, so
         bit-exact), broadcast in a group of just those ranks: members already at the start step
-        take no part."""
+        take no part.
+
+        Emulated: the source's clock goes with the optimizer flag, and each receiver's clock
+        moves to the arrival of its share of the scenario's state (node.state_arrivals), or,
+        after a checkpoint load (`loaded`: every member reads its share in parallel), to the
+        source's clock, which includes the read."""
         party = [source] + sorted(r for r in behind if r != source)
         if rank not in party:
             return
         who = "sending" if rank == source else "receiving"
         self.at = f"gen {g}: state broadcast, {who}, party {party}: forming its group"
         pg = self.groups.make(g, party.index(rank), len(party), prefix=f"gen{g}/state/")
-        has_opt = torch.tensor([float(bool(self.optimizer.state))], device=self.device)
+        clock = self.emu.c if self.emu is not None else 0.0
+        head = torch.tensor([float(bool(self.optimizer.state)), clock], dtype=torch.float64, device=self.device)
         self.at = f"gen {g}: state broadcast, {who}, party {party}: optimizer flag"
-        broadcast(pg, has_opt, 0, should_abort, self.waiter)
-        has_opt = has_opt.cpu()
+        broadcast(pg, head, 0, should_abort, self.waiter)
+        head = head.cpu()
+        has_opt = head[:1]
         tensors = self._state_tensors(bool(has_opt.item()))
         flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]).to(self.device)
         self.at = f"gen {g}: state broadcast, {who}, party {party}: {flat.numel()} values"
         broadcast(pg, flat, 0, should_abort, self.waiter)
         if rank == source:
             return
+        if self.emu is not None:
+            c_src = float(head[1])
+            if loaded:
+                self.emu.c = max(self.emu.c, c_src)
+            else:
+                receivers = {self.members[r]: len(self.slot_map[self.members[r]]) for r in behind if r != source}
+                arrival = self.emu.state_arrivals(c_src, self.members[source], receivers, f"g{g}")[self.node]
+                self.emu.c = max(self.emu.c, self.emu.now(), arrival)
         flat = flat.cpu()
         with torch.no_grad():
             off = 0
@@ -278,6 +313,8 @@ class Worker:
                                     allow_config_change=bool(self.run_info.get("allow_config_change")))
         loaded.apply_to(self.model, self.optimizer)
         ck.restore_rng(loaded.rng)
+        if self.emu is not None:  # this node's share, at the scenario's read bandwidth
+            self.emu.c += self.emu.storage_s(len(self.members), self.scenario.checkpoint.read_gbyte_s)
 
     # ------------------------------------------------------------------------- training
 
@@ -288,6 +325,9 @@ class Worker:
             if should_abort():
                 raise Aborted()
             t0 = time.perf_counter()
+            emu = self.emu
+            c0 = emu.c if emu is not None else 0.0
+            self._round = 0
             self.at = f"gen {g} step {step + 1}: computing {len(self.slots)} slot(s)"
             poisoned = poisoned_at(self.poison, step)
             vectors, batches = [], []
@@ -302,10 +342,16 @@ class Worker:
                 vectors.append(torch.cat([p.grad.reshape(-1) for p in self.params] + [loss.detach().reshape(1)]).cpu())
                 batches.append(b)
             t_compute = time.perf_counter() - t0
+            compute_overrun = False
+            if emu is not None:
+                t_compute = emu.compute_s(len(self.slots), step)
+                compute_overrun = emu.after_compute(c0, t_compute)
             gate_s = [0.0]
 
             def before_comm() -> None:
                 gate_s[0] = self.gate.pass_through(self.abort_event, step)
+                if emu is not None:
+                    emu.pricer.spike_s, emu.pricer.spike_scope = gate_s[0], self.gate.scope
                 if should_abort():
                     raise Aborted()
                 self.at = f"gen {g} step {step + 1}: in the reduction"
@@ -321,10 +367,14 @@ class Worker:
             self.optimizer.step()
             self.committed = step + 1
             t_total = time.perf_counter() - t0
-            self.chan.send({"type": "step", "gen": g, "step": self.committed, "loss": float(mean[-1]),
-                            "ready_s": t_ready, "compute_s": t_compute, "total_s": t_total,
-                            "rounds": self.reducer.last_rounds,
-                            "slots": len(self.slots)})
+            report = {"type": "step", "gen": g, "step": self.committed, "loss": float(mean[-1]),
+                      "ready_s": t_ready, "compute_s": t_compute, "total_s": t_total,
+                      "rounds": self.reducer.last_rounds, "slots": len(self.slots)}
+            if emu is not None:  # the report waits for the step's emulated end (node.py)
+                report["late_s"] = emu.commit(c0, self.abort_event)
+                report["compute_overrun"] = compute_overrun
+                report["total_s"] = emu.c - c0
+            self.chan.send(report)
             self.at = f"gen {g}: step {self.committed} done"
             if self.rank == 0 and self.committed % self.scenario.checkpoint.interval_steps == 0:
                 self.at = f"gen {g}: checkpoint of step {self.committed}"
@@ -335,6 +385,26 @@ class Worker:
         from runtime.model import weights_sha256
         self.chan.send({"type": "done", "gen": g, "committed": self.committed,
                         "sha256": weights_sha256(self.model)})
+
+    def _emulated_collective(self, pg, t: torch.Tensor, op: str, should_abort) -> torch.Tensor:
+        """One all-reduce of the emulated cluster: the hierarchical plan over this generation's
+        regions (keel.hardware.ring_members), every message priced by the link emulator. A
+        gradient element stands for workload.gradient_bytes / its vector's length; the short
+        maxima of a two-round step for their own 4 bytes."""
+        from keel import hardware
+        from runtime.emulation import hier
+        emu = self.emu
+        if self._ring is None:
+            index = {n: i for i, n in enumerate(self.members)}
+            self._ring = tuple(tuple(index[n] for n in grp) for grp in hardware.ring_members(self.scenario, self.members))
+        pricer = emu.pricer
+        pricer.bytes_per_element = (self.scenario.workload.gradient_bytes / self.layout.total if op == "sum"
+                                    else float(t.element_size()))
+        pricer.key = f"g{self.gen}/s{self.committed}/r{self._round}"
+        emu.c = hier.run_plan(pg, self.rank, hier.plan_for(self._ring, t.numel()), t, op, emu.c, pricer,
+                              should_abort, self.waiter, tag_base=(self._round % 8) * 4096)
+        self._round += 1
+        return t
 
     def _bounds(self) -> list[float] | None:
         """A priori bounds on this step's slot values, per segment, from the replicated AdamW
@@ -397,10 +467,21 @@ class Worker:
         run_dir = os.path.join(self.run_info["out_dir"], "checkpoints")
         self.chan.send({"type": "ckpt_start", "step": step, "mode": sc.checkpoint.mode})
         t0 = time.perf_counter()
+        emu = self.emu
+        c0 = emu.c if emu is not None else 0.0
         if sc.checkpoint.mode == "async":
             if self.checkpointer is None:
-                self.checkpointer = ck.AsyncCheckpointer(run_dir, keep=sc.checkpoint.keep, on_done=self._ckpt_done)
+                self.checkpointer = ck.AsyncCheckpointer(run_dir, keep=sc.checkpoint.keep, on_done=self._ckpt_done,
+                                                         before_commit=self._emulated_write if emu else None)
             stall = self.checkpointer.snapshot_and_submit(**self._checkpoint_args(g))
+            if emu is not None:  # after the previous write, the snapshot of this node's share
+                emu.c = max(emu.c, self._write_end.get("last", 0.0))
+                emu.c += emu.storage_s(len(self.members), sc.checkpoint.snapshot_gbyte_s)
+                write_s = emu.storage_s(len(self.members), sc.checkpoint.write_gbyte_s)
+                self._write_end[step] = self._write_end["last"] = emu.c + write_s
+                self._write_s[step] = write_s
+                emu.wait_until(emu.c)
+                stall = emu.c - c0
             self._stalls[step] = float(stall)
         else:
             try:
@@ -409,10 +490,21 @@ class Worker:
             except Exception as e:
                 path, err = None, e
             stall = time.perf_counter() - t0
+            if emu is not None:
+                emu.c += emu.storage_s(len(self.members), sc.checkpoint.write_gbyte_s)
+                emu.wait_until(emu.c)
+                stall = emu.c - c0
             self._stalls[step] = stall
             self._ckpt_done(step, path, stall, err)
 
+    def _emulated_write(self, step: int) -> None:
+        """In the writer thread, before the commit: the write lasts what the scenario's
+        storage takes for this node's share."""
+        self.emu.wait_until(self._write_end[step])
+
     def _ckpt_done(self, step: int, path, write_s: float, error) -> None:
+        self._write_end.pop(step, None)
+        write_s = self._write_s.pop(step, write_s)  # emulated: the storage's, not the real small write
         msg = {"type": "ckpt_end", "step": step, "stall_s": self._stalls.pop(step, None), "write_s": write_s,
                "path": str(path) if path else None}
         if error is not None:

@@ -125,7 +125,7 @@ def test_comm_gate_starts_at_the_step_and_draws_deterministically():
     from keel.scenario import SPIKE_SPREAD, spike_factor
     from runtime.inject import CommGate
     gate = CommGate(7, "a/0")
-    gate.expect([[4, 5, 100.0, 60.0]])  # schedule index 4: from 0-based step 5, 100 ms for 60 s
+    gate.expect([[4, 5, 100.0, 60.0, "node"]])  # schedule index 4: from 0-based step 5, 100 ms for 60 s
     assert gate.delay(4) == 0.0
     assert gate.delay(5) == pytest.approx(0.1 * spike_factor(7, "a/0", 5))
     assert gate.delay(6) == pytest.approx(0.1 * spike_factor(7, "a/0", 6))

@@ -9,8 +9,9 @@ graph linear in the number of machines (a full mesh of 16,384 nodes would not be
 The gradient reduction is hierarchical over the *active* training nodes (a membership):
   1. reduce-scatter inside every region (ring of its n_r active nodes): n_r - 1 phases, each
      one intra-region hop and B / n_r bytes per node;
-  2. all-reduce across the R active regions over a ring of regions (ordered by networkx's
-     greedy TSP on routed latency), every ring edge routed over the links by shortest latency:
+  2. all-reduce across the R active regions over a ring of regions (keel.hardware.region_ring:
+     nearest neighbour on routed latency), every ring edge routed over the links by shortest
+     latency (keel.hardware.route):
      2 (R - 1) phases, each moving B / R bytes of the region's shards over the routed path
      (bottleneck bandwidth, shared by the ring edges routed over the same link, and never more
      than the region's nodes can inject together);
@@ -29,9 +30,10 @@ from typing import Iterable
 
 import networkx as nx
 
+from keel import hardware
 from keel.scenario import Scenario
 
-GBIT = 1e9 / 8  # bytes per second in one Gbit/s
+GBIT = hardware.GBIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,7 @@ class Topology:
     (active nodes per region), so thousands of calls over a run stay cheap."""
 
     def __init__(self, scenario: Scenario):
+        self.scenario = scenario
         self.graph = build_graph(scenario)
         self.region_names = [r.name for r in scenario.regions]
         self._regions = {r.name: r for r in scenario.regions}
@@ -70,31 +73,20 @@ class Topology:
 
     # -- routing over the links between regions
     def route(self, a: str, b: str) -> tuple[float, tuple[frozenset, ...], float]:
-        """(one-way latency s, the links used, jitter s) of the lowest-latency path a -> b."""
+        """(one-way latency s, the links used, jitter s) of the lowest-latency path a -> b
+        (keel.hardware.route, the runtime's emulation routes its messages by it too)."""
         key = (a, b) if a <= b else (b, a)
         if key not in self._route_cache:
-            path = nx.shortest_path(self._region_graph, key[0], key[1], weight="latency_s")
-            links = tuple(frozenset(e) for e in zip(path, path[1:]))
-            data = [self._region_graph.edges[tuple(l)] for l in links]
-            latency = sum(d["latency_s"] for d in data)
-            jitter = math.sqrt(sum(d["jitter_s"] ** 2 for d in data))
-            self._route_cache[key] = (latency, links, jitter)
+            r = hardware.route(self.scenario, key[0], key[1])
+            self._route_cache[key] = (r.latency_s, r.links, r.jitter_s)
         return self._route_cache[key]
 
     def region_ring(self, regions: Iterable[str]) -> tuple[str, ...]:
-        """The order in which the inter-region all-reduce ring visits the active regions."""
+        """The order in which the inter-region all-reduce ring visits the active regions
+        (keel.hardware.region_ring, as the runtime's emulated reduction orders its ring)."""
         key = tuple(sorted(regions, key=self.region_names.index))
         if key not in self._ring_cache:
-            if len(key) <= 3:
-                ring = key
-            else:
-                g = nx.Graph()
-                for i, a in enumerate(key):
-                    for b in key[i + 1:]:
-                        g.add_edge(a, b, weight=self.route(a, b)[0])
-                cycle = nx.approximation.greedy_tsp(g, weight="weight", source=key[0])
-                ring = tuple(cycle[:-1])
-            self._ring_cache[key] = ring
+            self._ring_cache[key] = hardware.region_ring(self.scenario, key)
         return self._ring_cache[key]
 
     # -- the reduction

@@ -51,6 +51,7 @@ class WorkerState:
     last_hb_t: float = 0.0
     at: str | None = None  # where the worker says it is (sent with each heartbeat)
     ready_gen: int = -1
+    machine_down: bool = False  # emulated: its machine crashed; only the heartbeat timeout finds it
 
 
 class Coordinator(GenerationsMixin, FaultsMixin):
@@ -71,6 +72,9 @@ class Coordinator(GenerationsMixin, FaultsMixin):
         self.welcome = {"device": device, "backend": backend, "data_root": data_root,
                         "allow_config_change": allow_config_change}
         self.allow_config_change = allow_config_change
+        self.emulated = scenario.emulation.enabled
+        self.scale = scenario.emulation.time_scale if self.emulated else 1.0  # wall s per emulated s
+        self.emu_stats = {"reports": 0, "overruns": 0, "compute_overruns": 0, "late_s": 0.0, "worst_late_s": 0.0}
         self.config = scenario.plain()
         self.config_hash = scenario.config_hash()
         self.policy = scenario.policy
@@ -112,7 +116,8 @@ class Coordinator(GenerationsMixin, FaultsMixin):
     # ------------------------------------------------------------------------- events
 
     def now(self) -> float:
-        return time.monotonic() - self.t0
+        """Seconds since the run started: emulated seconds in an emulated cluster."""
+        return (time.monotonic() - self.t0) / self.scale
 
     def emit(self, kind: str, *, fault: str | None = None, target: str | None = None,
              action: str | None = None, t: float | None = None, step: int | None = None,
@@ -211,7 +216,8 @@ class Coordinator(GenerationsMixin, FaultsMixin):
         w.last_seen = time.monotonic()
         chan.send({"type": "welcome", "node": node, "scenario": self.config, "source": self.sc.source,
                    "store_port": self.store.port, "store_host": self.host, "config_hash": self.config_hash,
-                   "out_dir": str(self.out.resolve()), "local_index": self.order[node], **self.welcome})
+                   "out_dir": str(self.out.resolve()), "local_index": self.order[node], **self.welcome,
+                   **({"emulation": {"anchor": self.t0, "scale": self.scale}} if self.emulated else {})})
         return node
 
     # ------------------------------------------------------------------------- the loop
@@ -223,7 +229,8 @@ class Coordinator(GenerationsMixin, FaultsMixin):
                                 enabled=self.progress)
         self.emit("run_start", nodes=len(self.nodes), slots=self.sc.slot_count, policy=self.policy.kind,
                   hot_spares=self.policy.hot_spares, config_hash=self.config_hash, seed=self.sc.run.seed,
-                  start_step=self.start_step, resume_from=self.load_path, coordinator=f"{self.host}:{self.port}")
+                  start_step=self.start_step, resume_from=self.load_path, coordinator=f"{self.host}:{self.port}",
+                  **({"emulated": True, "time_scale": self.scale} if self.emulated else {}))
         try:
             if self.spawn_local:
                 for n in self.nodes:
@@ -249,10 +256,10 @@ class Coordinator(GenerationsMixin, FaultsMixin):
         for w in list(self.workers.values()):
             if not w.alive:
                 continue
-            if w.proc is not None and w.proc.poll() is not None:
+            if w.proc is not None and not w.machine_down and w.proc.poll() is not None:
                 self._lost(w, f"process exited ({w.proc.returncode})")
-            elif w.joined and now - w.last_seen > self.policy.detect_timeout_s:
-                self._lost(w, f"no heartbeat for {now - w.last_seen:.2f} s")
+            elif w.joined and now - w.last_seen > self.policy.detect_timeout_s * self.scale:
+                self._lost(w, f"no heartbeat for {(now - w.last_seen) / self.scale:.2f} s")
         if self.phase == "joining":
             self._check_joined()
         elif self.phase == "aborting":
@@ -274,10 +281,10 @@ class Coordinator(GenerationsMixin, FaultsMixin):
             except (KeyError, ValueError):
                 pass
             chan.close()
-            if node is not None and self.workers[node].chan is chan:
+            if node is not None and self.workers[node].chan is chan and not self.workers[node].machine_down:
                 self.workers[node].chan = None
                 self._lost(self.workers[node], "connection closed")
-            return
+            return  # a crashed machine's (emulated) sends nothing: its heartbeats just stop
         for msg in msgs:
             if node is None:  # a connection says hello before anything else counts
                 if msg.get("type") == "hello":
@@ -308,6 +315,14 @@ class Coordinator(GenerationsMixin, FaultsMixin):
         w.committed = int(msg.get("committed", 0))
 
     def _on_step(self, w: WorkerState, msg: dict) -> None:
+        if "late_s" in msg:
+            st = self.emu_stats
+            st["reports"] += 1
+            late = float(msg["late_s"])
+            st["overruns"] += late > 0
+            st["compute_overruns"] += bool(msg.get("compute_overrun"))
+            st["late_s"] += late
+            st["worst_late_s"] = max(st["worst_late_s"], late)
         if int(msg["gen"]) == self.gen and w.role == "member":
             w.committed = int(msg["step"])
             self.reports.setdefault(int(msg["step"]), {})[w.node] = msg
@@ -318,7 +333,7 @@ class Coordinator(GenerationsMixin, FaultsMixin):
         t = self.gen_t.setdefault(int(msg["gen"]), {})
         t["pg_s"] = max(t.get("pg_s", 0.0), float(msg["pg_s"]))
         t["state_s"] = max(t.get("state_s", 0.0), float(msg["state_s"]))
-        t["ready"] = time.monotonic()
+        t["ready"] = self.now()
         w.ready_gen = max(w.ready_gen, int(msg["gen"]))
 
     def _on_nonfinite(self, w: WorkerState, msg: dict) -> None:
@@ -401,6 +416,12 @@ class Coordinator(GenerationsMixin, FaultsMixin):
             "generations": self.gen + 1, "quarantine": sorted(self.quarantine),
             "slot_map": {m: self.slot_map[m] for m in self.members},
         })
+        if self.emulated:
+            st = dict(self.emu_stats)
+            st["overrun_fraction"] = st["overruns"] / st["reports"] if st["reports"] else 0.0
+            st.update(time_scale=self.scale, max_overrun_fraction=self.sc.emulation.max_overrun_fraction,
+                      faithful=st["overrun_fraction"] <= self.sc.emulation.max_overrun_fraction)
+            summary["emulation"] = st
         return summary
 
     def _shutdown(self) -> None:

@@ -71,8 +71,9 @@ class FaultsMixin:
             targets = [n for n in self.nodes if (n == p.target or self.region_of[n] == p.target) and self._live(n)]
             ep = self._new_episode(p.cls, p.target, nodes=targets, **p.params)
             ep.nodes = targets
+            scope = "node" if "/" in p.target else "region"
             for n in targets:
-                self.workers[n].chan.send({"type": "jitter", "index": p.index, **p.params})
+                self.workers[n].chan.send({"type": "jitter", "index": p.index, "scope": scope, **p.params})
             return False
         if p.cls == "partial_cluster_loss":
             live = [n for n in self.nodes if self.region_of[n] == p.target and self._live(n)]
@@ -85,6 +86,8 @@ class FaultsMixin:
         for n in targets:  # one loop: the same moment
             self.book.killed[n] = ep.fault_id
             w = self.workers[n]
+            # emulated: the machine crashed, so only the policy's heartbeat timeout can find it
+            w.machine_down = self.emulated and p.mode == "kill"
             if w.proc is not None:
                 w.proc.signal(sig)
             elif p.mode == "kill" and w.chan is not None:
@@ -107,7 +110,7 @@ class FaultsMixin:
             return
         ep = self.book.of_killed(w.node)
         if ep is None:  # nobody injected this: a real failure
-            ep = self._new_episode("hardware_fault", w.node, t=max(0.0, last_seen - self.t0),
+            ep = self._new_episode("hardware_fault", w.node, t=max(0.0, (last_seen - self.t0) / self.scale),
                                    nodes=[w.node], mode="external")
             self.book.killed[w.node] = ep.fault_id
         now = self.now()
@@ -236,8 +239,11 @@ class FaultsMixin:
         self.reports = {}
         self.load_path = str(latest) if latest is not None else None
         self.gen_t[self.gen + 1] = {"abort_s": 0.0}
+        # a relaunch: fresh interpreters pay the real import and start-up; an emulated cluster
+        # forks its workers (fast) and starts the generation policy.restart_s emulated seconds on
+        self.not_before = self.now() + self.policy.restart_s if self.emulated else 0.0
         for n in self.nodes:
-            self.spawn(n, fresh_interpreter=True)
+            self.spawn(n, fresh_interpreter=not self.emulated)
         ep.end_gen = self.gen + 1
         self.phase = "joining"
         self.join_deadline = time.monotonic() + JOIN_TIMEOUT_S

@@ -35,13 +35,14 @@ class GenerationsMixin:
         self.reports: dict[int, dict[str, dict]] = {}
         self.pending_acks: set[str] = set()
         self.abort_deadline = 0.0
-        self.t_abort = time.monotonic()
+        self.t_abort = 0.0
         self.gen_t: dict[int, dict[str, float]] = {}   # per generation: abort_s, pg_s, state_s, ready, announced
         self.intervals: list[tuple[int, float]] = []  # (members, seconds) per clean commit interval
         self.last_commit_t: float | None = None
         self.last_event_was_commit = False
         self.last_progress = time.monotonic()
         self.final_sha: str | None = None
+        self.not_before = 0.0  # emulated: the next generation starts no earlier (a relaunch's restart_s)
 
     # ------------------------------------------------------------------------- the view
 
@@ -92,8 +93,8 @@ class GenerationsMixin:
         base = {"type": "gen", "gen": self.gen, "world": len(self.members), "members": self.members,
                 "slot_map": self.slot_map, "start_step": start, "source": source, "behind": behind,
                 "load": load, "quarantine": sorted(self.quarantine), "poison": self.poison,
-                "jitter": jitter_schedule(self.planned, start)}
-        self.gen_t.setdefault(self.gen, {})["announced"] = time.monotonic()
+                "jitter": jitter_schedule(self.planned, start), "not_before": self.not_before}
+        self.gen_t.setdefault(self.gen, {})["announced"] = self.now()
         self.watch.new_generation(self.members)
         for rank, m in enumerate(self.members):
             w = self.workers[m]
@@ -122,11 +123,12 @@ class GenerationsMixin:
         if self.phase == "aborting":
             return
         self.phase = "aborting"
-        self.t_abort = time.monotonic()
+        self.t_abort = self.now()
         self.pending_acks = {m for m in self.members if self.workers[m].alive}
         for m in self.pending_acks:
-            self.workers[m].chan.send({"type": "abort", "gen": self.gen})
-        self.abort_deadline = time.monotonic() + max(2.0, 2 * self.policy.detect_timeout_s)
+            if self.workers[m].chan is not None:
+                self.workers[m].chan.send({"type": "abort", "gen": self.gen})
+        self.abort_deadline = time.monotonic() + max(2.0, 2 * self.policy.detect_timeout_s * self.scale)
 
     def _next_generation(self) -> None:
         plan = plan_generation(self.view())
@@ -157,7 +159,7 @@ class GenerationsMixin:
             else:
                 self.emit("reslot", action=R.ABSORB_ACTION["network_jitter"], **detail)
         self.slot_map = slot_map
-        self.gen_t.setdefault(self.gen + 1, {})["abort_s"] = time.monotonic() - self.t_abort
+        self.gen_t.setdefault(self.gen + 1, {})["abort_s"] = self.now() - self.t_abort
         for ep in self.book:
             if ep.recovering and ep.end_gen is None:
                 ep.end_gen = self.gen + 1
@@ -178,7 +180,7 @@ class GenerationsMixin:
             self._commit(k, reps[self.members[0]]["loss"], reps)
 
     def _commit(self, k: int, loss: float, reps: dict[str, dict], check: bool = True) -> None:
-        now = time.monotonic()
+        now = self.now()
         pace_ok = self.last_event_was_commit and self.last_commit_t is not None
         if self._end_due_episodes(k):  # recover_end just before the commit that ends the episode
             pace_ok = False
@@ -188,7 +190,7 @@ class GenerationsMixin:
         if pace_ok:
             self.intervals.append((len(self.members), now - self.last_commit_t))
         self.last_commit_t = now
-        self.last_progress = now
+        self.last_progress = time.monotonic()
         self.bar.update(1)
         if reps and check and k - self.gen_start_step > R.STRAGGLER_WARMUP_STEPS:
             self._watch_stragglers({m: r for m, r in reps.items() if m in self.slot_map})
@@ -233,6 +235,6 @@ class GenerationsMixin:
             detail["ack_s"] = t.get("abort_s", 0.0)
             detail["state_s"] = t.get("state_s", 0.0)
             if "ready" in t:
-                detail["redo_s"] = time.monotonic() - t["ready"]
+                detail["redo_s"] = self.now() - t["ready"]
         detail["gen"] = self.gen
         self.emit_ep("recover_end", ep, **detail)

@@ -1,0 +1,134 @@
+"""The emulated cluster's pure parts: the shared hardware rules (keel.hardware, with the twin's
+parity), the link emulator's prices, the compute draw, the scenario's [emulation] table."""
+from __future__ import annotations
+
+import itertools
+import statistics
+import subprocess
+
+import pytest
+
+from keel import hardware as H
+from keel.scenario import ScenarioError, compute_factor, load, loads
+from conftest import keel_cmd
+from runtime_helpers import REPO, scenario_text
+
+SCENARIOS = [REPO / "scenarios" / "multiregion-46.toml", REPO / "scenarios" / "local-8.toml"]
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
+def test_routes_and_ring_are_the_twins(path):
+    """One place: the twin's topology routes and orders its ring by keel.hardware, and the
+    answers are the ones networkx gave it before (shortest path, greedy TSP)."""
+    import networkx as nx
+    from twin.topology import Topology
+    sc = load(path)
+    topo = Topology(sc)
+    g = nx.Graph()
+    for link in sc.links:
+        g.add_edge(link.a, link.b, w=link.rtt_ms / 2e3)
+    names = [r.name for r in sc.regions]
+    for a, b in itertools.permutations(names, 2):
+        r = H.route(sc, a, b)
+        assert r.latency_s == pytest.approx(nx.shortest_path_length(g, a, b, weight="w"))
+        assert topo.route(a, b)[0] == pytest.approx(r.latency_s)
+        assert [h[0] for h in r.hops] + [b] == [a] + [h[1] for h in r.hops]  # a path from a to b
+    for k in range(1, len(names) + 1):
+        for sub in itertools.combinations(names, k):
+            ring = H.region_ring(sc, sub)
+            assert sorted(ring) == sorted(sub) and topo.region_ring(sub) == ring
+            if k > 3:
+                dist = nx.Graph()
+                for x, y in itertools.combinations(sub, 2):
+                    dist.add_edge(x, y, weight=H.route(sc, x, y).latency_s)
+                assert tuple(nx.approximation.greedy_tsp(dist, source=sub[0])[:-1]) == ring
+
+
+def test_route_latency_jitter_and_message_latency():
+    sc = load(SCENARIOS[0])
+    r = H.route(sc, "us-west", "ap-southeast")  # direct 170 ms rtt
+    assert r.latency_s == pytest.approx(0.085) and r.hops == (("us-west", "ap-southeast"),)
+    assert r.jitter_s == pytest.approx(0.005)
+    assert H.message_latency_s(sc, "us-east", "us-east") == pytest.approx(0.005e-3)
+    assert H.message_latency_s(sc, "us-east", "us-west") == pytest.approx(0.031 + 0.005e-3)
+    assert H.checkpoint_share_bytes(sc, 44) == pytest.approx(1.68e12 / 44)
+    assert H.state_copy_bytes(sc, 1) == pytest.approx(1.68e12 / 44)
+    groups = H.ring_members(sc, ["eu-west/1", "us-east/0", "us-east/3", "ap-southeast/0", "us-west/2"])
+    assert groups == [["us-east/0", "us-east/3"], ["us-west/2"], ["eu-west/1"], ["ap-southeast/0"]]
+
+
+def test_link_emulator_shares_bandwidth_fairly():
+    from runtime.emulation.netem import LinkEmulator
+    sc = load(SCENARIOS[0])
+    links = LinkEmulator(sc)
+    node_bw = 3200 * H.GBIT
+    link_bw = 400 * H.GBIT  # us-east - us-west
+    # one message inside a region: its bytes over the node's NIC
+    (t,) = links.transfers([("us-east/0", "us-east/1", 1e9)])
+    assert t == pytest.approx(1e9 / node_bw)
+    # two equal messages over the same inter-region link: each at half the link
+    ts = links.transfers([("us-east/0", "us-west/0", 1e9), ("us-east/1", "us-west/1", 1e9)])
+    assert ts == pytest.approx([2e9 / link_bw] * 2)
+    # unequal: processor sharing finishes the small one first
+    ts = links.transfers([("us-east/0", "us-west/0", 1e9), ("us-east/1", "us-west/1", 3e9)])
+    assert ts == pytest.approx([2e9 / link_bw, 4e9 / link_bw])
+    # opposite directions do not share a link; one sender's NIC is shared by its messages
+    ts = links.transfers([("us-east/0", "us-west/0", 1e9), ("us-west/1", "us-east/1", 1e9)])
+    assert ts == pytest.approx([1e9 / link_bw] * 2)
+    ts = links.transfers([("us-east/0", "us-east/1", 1e9), ("us-east/0", "us-east/2", 1e9)])
+    assert ts == pytest.approx([2e9 / node_bw] * 2)
+    # arrival: latency + jitter (deterministic per key, never below zero) + spike + transfer
+    a1 = links.arrival(10.0, "us-east/0", "us-west/0", 0.5, "k1")
+    assert a1 == links.arrival(10.0, "us-east/0", "us-west/0", 0.5, "k1")
+    draws = [links.arrival(0.0, "us-east/0", "us-west/0", 0.0, f"k{i}") for i in range(4000)]
+    mean = H.message_latency_s(sc, "us-east", "us-west")
+    assert statistics.fmean(draws) == pytest.approx(mean, abs=2e-4)
+    assert statistics.pstdev(draws) == pytest.approx(0.002, rel=0.1)  # the link's jitter_ms
+    assert links.arrival(1.0, "us-east/0", "us-east/1", 0.0, "k", spike_s=0.25) == pytest.approx(1.25 + 0.005e-3)
+
+
+def test_collective_pricer_spikes_by_scope():
+    from runtime.emulation.hier import Msg, Step
+    from runtime.emulation.netem import CollectivePricer, LinkEmulator
+    sc = load(SCENARIOS[0])
+    members = ["us-east/0", "us-east/1", "us-west/0"]
+    pricer = CollectivePricer(LinkEmulator(sc), members)
+    pricer.bytes_per_element = 1e6
+    step = Step(0, "inter_reduce_scatter", "reduce", (Msg(0, 1, 0, 10), Msg(0, 2, 10, 10)))
+    base = [pricer(step, m, 0.0) for m in step.msgs]
+    pricer.spike_s, pricer.spike_scope = 0.3, "region"
+    spiked = [pricer(step, m, 0.0) for m in step.msgs]
+    assert spiked[0] == pytest.approx(base[0]) and spiked[1] == pytest.approx(base[1] + 0.3)  # only across regions
+    pricer.spike_scope = "node"
+    assert [pricer(step, m, 0.0) for m in step.msgs] == pytest.approx([b + 0.3 for b in base])
+
+
+def test_compute_factor_stream():
+    draws = [compute_factor(7, "us-east/3", k, 0.03) for k in range(5000)]
+    assert draws == [compute_factor(7, "us-east/3", k, 0.03) for k in range(5000)]
+    assert statistics.fmean(draws) == pytest.approx(1.0, abs=0.002)
+    assert statistics.pstdev(draws) == pytest.approx(0.03, rel=0.05)
+    assert compute_factor(7, "us-east/3", 1, 0.0) == 1.0
+    assert draws != [compute_factor(7, "us-east/4", k, 0.03) for k in range(5000)]
+    assert all(0.05 <= d <= 1.18 for d in draws)
+
+
+def test_emulation_table_is_checked():
+    sc = loads(scenario_text(extra="[emulation]\nenabled = true\ntime_scale = 0.25\n"), "<t>")
+    assert sc.emulation.enabled and sc.emulation.time_scale == 0.25
+    assert not loads(scenario_text(), "<t>").emulation.enabled
+    with pytest.raises(ScenarioError, match=r"emulation.time_scale.*positive"):
+        loads(scenario_text(extra="[emulation]\ntime_scale = 0\n"), "<t>")
+    with pytest.raises(ScenarioError, match=r"emulation.max_overrun_fraction.*fraction"):
+        loads(scenario_text(extra="[emulation]\nmax_overrun_fraction = 1.5\n"), "<t>")
+    with pytest.raises(ScenarioError, match=r"emulation.enable'.*did you mean 'enabled'"):
+        loads(scenario_text(extra="[emulation]\nenable = true\n"), "<t>")
+
+
+def test_time_scale_without_emulation_is_an_input_error(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text(scenario_text())
+    p = subprocess.run(keel_cmd("run", str(path), "--time-scale", "0.5"),
+                       capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "--time-scale" in p.stderr and "--emulate" in p.stderr and "Traceback" not in p.stderr
