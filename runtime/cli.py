@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         if emu:
             print(f"  emulated cluster at time scale {emu['time_scale']:g}: {emu['overruns']} of {emu['reports']} "
                   f"step reports late ({emu['overrun_fraction']:.1%}, limit {emu['max_overrun_fraction']:.0%}; "
-                  f"worst {emu['worst_late_s']:.3f} s), {emu['compute_overruns']} compute overruns"
+                  f"worst {emu['worst_late_s']:.3f} s), {emu['compute_overruns']} compute overruns; "
+                  f"first steps (warm-up, not counted) up to {emu['warmup_late_s']:.3f} s late"
                   f"{'' if emu['faithful'] else ': NOT a faithful emulation'}")
     return 0

@@ -74,7 +74,8 @@ class Coordinator(GenerationsMixin, FaultsMixin):
         self.allow_config_change = allow_config_change
         self.emulated = scenario.emulation.enabled
         self.scale = scenario.emulation.time_scale if self.emulated else 1.0  # wall s per emulated s
-        self.emu_stats = {"reports": 0, "overruns": 0, "compute_overruns": 0, "late_s": 0.0, "worst_late_s": 0.0}
+        self.emu_stats = {"reports": 0, "overruns": 0, "compute_overruns": 0, "late_s": 0.0, "worst_late_s": 0.0,
+                          "warmup_reports": 0, "warmup_late_s": 0.0}
         self.config = scenario.plain()
         self.config_hash = scenario.config_hash()
         self.policy = scenario.policy
@@ -317,12 +318,16 @@ class Coordinator(GenerationsMixin, FaultsMixin):
     def _on_step(self, w: WorkerState, msg: dict) -> None:
         if "late_s" in msg:
             st = self.emu_stats
-            st["reports"] += 1
             late = float(msg["late_s"])
-            st["overruns"] += late > 0
-            st["compute_overruns"] += bool(msg.get("compute_overrun"))
-            st["late_s"] += late
-            st["worst_late_s"] = max(st["worst_late_s"], late)
+            if msg.get("warmup"):  # a process's first step: the small model's and gloo's set-up
+                st["warmup_reports"] += 1
+                st["warmup_late_s"] = max(st["warmup_late_s"], late)
+            else:
+                st["reports"] += 1
+                st["overruns"] += late > 0
+                st["compute_overruns"] += bool(msg.get("compute_overrun"))
+                st["late_s"] += late
+                st["worst_late_s"] = max(st["worst_late_s"], late)
         if int(msg["gen"]) == self.gen and w.role == "member":
             w.committed = int(msg["step"])
             self.reports.setdefault(int(msg["step"]), {})[w.node] = msg

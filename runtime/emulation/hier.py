@@ -41,7 +41,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from runtime.reduction import wait_work
+from runtime.reduction import CollectiveError, wait_work
 
 HEADER = 8  # bytes: the float64 arrival time in front of every payload
 
@@ -217,7 +217,15 @@ def run_plan(pg, rank: int, plan: Sequence[Step], buf: torch.Tensor, op: str, cl
     """Run this rank's part of `plan` on `buf` (in place; int64 for "sum", float for "max")
     over the process group `pg`; returns the rank's emulated clock after it. Every step posts
     its receives and sends at once and waits for all of them (raising reduction.Aborted when
-    the coordinator aborts the generation meanwhile)."""
+    the coordinator aborts the generation meanwhile, reduction.CollectiveError when a peer's
+    connection is gone)."""
+    try:
+        return _run_plan(pg, rank, plan, buf, op, clock, price, should_abort, waiter, tag_base)
+    except RuntimeError as e:  # posting a message on a broken pair raises at once
+        raise CollectiveError(str(e)) from e
+
+
+def _run_plan(pg, rank, plan, buf, op, clock, price, should_abort, waiter, tag_base) -> float:
     size = buf.element_size()
     for step in plan:
         recvs, works = [], []
