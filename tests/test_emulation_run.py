@@ -1,0 +1,95 @@
+"""The runtime in emulated-cluster mode, for real: worker processes killed by signal, groups
+re-formed, state copied to a spare, checkpoints written, a NaN shard quarantined, every duration
+on the scenario's emulated hardware (runtime/emulation/)."""
+from __future__ import annotations
+
+import pytest
+
+from keel import hardware
+from keel.events import read_events
+from keel.scenario import loads
+from tests.runtime_helpers import scenario_text
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 16
+COMPUTE_S = 0.4   # emulated seconds per slot
+SCALE = 0.5       # wall seconds per emulated second: detection's 2 s timeout is 1 s of wall
+FAULTS = [
+    {"at_step": 3, "class": "hardware_fault", "target": "a/1"},
+    {"at_step": 5, "class": "network_jitter", "target": "a/0", "spike_ms": 400.0, "duration_s": 1.5},
+    {"at_step": 10, "class": "partial_cluster_loss", "target": "b", "nodes": 2},
+    {"at_step": 13, "class": "data_shard_skew", "target": "shard/3"},
+]
+
+
+def _text(faults=(), emulated=True) -> str:
+    text = scenario_text(steps=STEPS, faults=list(faults), detect_timeout_s=2.0, interval=4,
+                         extra=f"[emulation]\nenabled = {'true' if emulated else 'false'}\ntime_scale = {SCALE}\n")
+    text = text.replace("heartbeat_s = 0.1", "heartbeat_s = 0.5")
+    return text.replace("[workload]\n", f"[workload]\nstep_compute_s = {COMPUTE_S}\n", 1)
+
+
+def _run(tmp_path, name, **kw):
+    from runtime.api import run_scenario
+    sc = loads(_text(**kw), f"<{name}>")
+    summary = run_scenario(sc, tmp_path / name, progress=False)
+    return sc, summary, read_events(tmp_path / name / "events.jsonl")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("emu")
+    return {"faults": _run(tmp, "faults", faults=FAULTS), "clean": _run(tmp, "clean"),
+            "real": _run(tmp, "real", faults=FAULTS, emulated=False)}
+
+
+def test_every_fault_class_absorbed_with_the_same_weights(runs):
+    sc, summary, events = runs["faults"]
+    assert summary["restarts"] == 0
+    assert [f["class"] for f in summary["faults"]] == [f["class"] for f in FAULTS]
+    assert [f["action"] for f in summary["faults"]] == ["replicate_resume", "backpressure_reslot",
+                                                        "shard_reweight_failover", "quarantine_resample"]
+    for f in summary["faults"]:
+        assert "recover_end" in [e.kind for e in events if e.detail.get("fault_id") == f["fault_id"]], f
+    assert summary["steps"] == len(summary["losses"]) == STEPS
+    clean, real = runs["clean"][1], runs["real"][1]
+    # the same trajectory as the fault-free run until the poisoned shard (a quarantine changes
+    # the data from then on), and bit-identical to the same faults without emulation
+    skew = FAULTS[-1]["at_step"]
+    assert summary["losses"][:skew] == clean["losses"][:skew]
+    assert summary["losses"] == real["losses"]
+    assert summary["final_weights_sha256"] == real["final_weights_sha256"]
+    assert "emulation" in summary and "emulation" not in real
+
+
+def test_a_crashed_machine_is_found_by_its_missing_heartbeat(runs):
+    sc, summary, events = runs["faults"]
+    detects = {e.detail["fault_id"]: e for e in events if e.kind == "detect"}
+    hw = detects[0]
+    assert hw.detail["how"].startswith("no heartbeat"), hw.detail
+    p = sc.policy
+    # the machine sent nothing after the fault: found one timeout after its last heartbeat
+    assert p.detect_timeout_s - p.heartbeat_s <= hw.detail["detect_s"] <= p.detect_timeout_s + 2 * p.heartbeat_s
+    loss = detects[2]
+    assert loss.detail["how"].startswith("no heartbeat"), loss.detail
+
+
+def test_steps_take_the_emulated_hardware_time(runs):
+    sc, summary, events = runs["clean"]
+    commits = [e.t for e in events if e.kind == "step"]
+    assert len(commits) >= STEPS - 1
+    # four training workers with one slot each: no step commits sooner than one slot's compute
+    gaps = [b - a for a, b in zip(commits, commits[1:])]
+    assert min(gaps) >= COMPUTE_S, gaps
+    assert summary["emulation"]["reports"] > 0
+
+
+def test_checkpoint_write_takes_the_scenario_bytes_at_its_bandwidth(runs):
+    sc, summary, events = runs["clean"]
+    ends = [e for e in events if e.kind == "checkpoint_end" and e.detail.get("path")]
+    assert ends, "no checkpoint written"
+    members = len(sc.node_names) - sc.policy.hot_spares
+    want = hardware.checkpoint_share_bytes(sc, members) / (sc.checkpoint.write_gbyte_s * 1e9)
+    for e in ends:
+        assert e.detail["write_s"] == pytest.approx(want, rel=1e-9)
