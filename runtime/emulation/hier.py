@@ -75,14 +75,19 @@ def build_plan(regions: Sequence[Sequence[int]], length: int) -> tuple[Step, ...
 
     chunks = [_chunks(length, len(r)) for r in regions]
     longest = max((len(r) for r in regions), default=0)
-    for s in range(longest - 1):
-        out = []
-        for members, ch in zip(regions, chunks):
-            n = len(members)
-            if s < n - 1:
-                for i in range(n):
-                    out += msg(members[i], members[(i + 1) % n], *ch[(i - s) % n])
-        raw.append(("intra-reduce", "reduce", out))
+
+    def intra_rings(phase: str, combine: str, first: int) -> None:
+        """Every region's ring at once: at step s member i sends chunk (i + first - s) mod n."""
+        for s in range(longest - 1):
+            out = []
+            for members, ch in zip(regions, chunks):
+                n = len(members)
+                if s < n - 1:
+                    for i in range(n):
+                        out += msg(members[i], members[(i + 1) % n], *ch[(i + first - s) % n])
+            raw.append((phase, combine, out))
+
+    intra_rings("intra-reduce", "reduce", 0)
 
     R = len(regions)
     if R > 1:
@@ -104,14 +109,7 @@ def build_plan(regions: Sequence[Sequence[int]], length: int) -> tuple[Step, ...
         for s in range(R - 1):
             raw.append(("inter-gather", "copy", [m for a in range(R) for m in across(a, (a + 1 - s) % R)]))
 
-    for s in range(longest - 1):
-        out = []
-        for members, ch in zip(regions, chunks):
-            n = len(members)
-            if s < n - 1:
-                for i in range(n):
-                    out += msg(members[i], members[(i + 1) % n], *ch[(i + 1 - s) % n])
-        raw.append(("intra-gather", "copy", out))
+    intra_rings("intra-gather", "copy", 1)
 
     steps = [(phase, combine, msgs) for phase, combine, msgs in raw if msgs]
     return tuple(Step(i, phase, combine, tuple(msgs)) for i, (phase, combine, msgs) in enumerate(steps))
