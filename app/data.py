@@ -235,8 +235,7 @@ def comparison_rows(comparison: dict[str, Any]) -> list[dict[str, Any]]:
     if wall:
         rows.append({"row": "wall_s", "class": None, "target": None, "predicted": wall.get("predicted"),
                      "observed": wall.get("observed"), "rel_err": wall.get("rel_err"),
-                     "error of": ("each repetition against its own prediction (median)" if wall.get("rel_err_reps")
-                                  else "the medians over repetitions"),
+                     "error of": "the twin's mean against the repetitions' median",
                      "tolerance": tol.get("wall_rel_tol"), "pass": passed.get("wall")})
     good = comparison.get("goodput")
     if good:

@@ -2,7 +2,8 @@
 # The runtime on CUDA: one GPU shared by the workers, gloo over CUDA tensors (NCCL needs a GPU
 # per rank: set KEEL_BACKEND=nccl on a machine with one GPU per worker). Prints the fault-free
 # step time, local-8's four faults absorbed (downtime, breakdown) and the recovery benchmark
-# (absorb vs checkpoint_restart) for a killed worker.
+# (absorb vs checkpoint_restart) for a killed worker, then the emulated 12-node cluster
+# (scenarios/multiregion-12.toml: 12 workers sharing the GPU, one fault of each class).
 #   bash bench/gpu_check.sh            (from the repository root; needs torch with CUDA)
 #   KEEL_DEVICE=cpu bash bench/gpu_check.sh   (the same script on CPU: checks the script itself)
 set -euo pipefail
@@ -45,5 +46,9 @@ for e in events:
         print("  breakdown: " + ", ".join(f"{k} {d[k]:.3f} s" for k in ("detect_s", "reform_s", "state_s", "redo_s") if k in d))
 print(f"restarts {hw['restarts']}")
 PY
-echo "== recovery benchmark (absorb vs checkpoint_restart), device=$KEEL_DEVICE"
-$PY bench/recovery.py --repeats 1
+if [ "${RECOVERY:-1}" = 1 ]; then  # RECOVERY=0 leaves the slow restart baseline out
+  echo "== recovery benchmark (absorb vs checkpoint_restart), device=$KEEL_DEVICE"
+  $PY bench/recovery.py --repeats 1
+fi
+echo "== the emulated 12-node cluster, device=$KEEL_DEVICE"
+$PY -m keel.cli run scenarios/multiregion-12.toml --emulate --out "$OUT/emu12"

@@ -4,9 +4,7 @@
 
 For each `keel validate --out DIR`: resampling its own runtime repetitions (per fault, with
 replacement, the twin's prediction held), the chance that the median per-fault downtime error
-exceeds the scenario's tolerance with 3, 5, 7, 9 repetitions; and how far its fault-free pace
-runs moved back to back (full membership, and the fewest workers), the noise the steadiness
-rule (`validate.pace_steady_tol`) has to stand above.
+exceeds the scenario's tolerance with 3, 5, 7, 9 repetitions.
 """
 from __future__ import annotations
 
@@ -31,11 +29,6 @@ def fail_chance(comparison: dict, repetitions: int, draws: int, rng: random.Rand
     return fails / draws
 
 
-def pace_moves(comparison: dict, key: str) -> list[float]:
-    paces = [p[key] for p in comparison.get("pace_runs", []) if p.get(key)]
-    return [b / a - 1.0 for a, b in zip(paces, paces[1:])]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="+", help="keel validate output directories (holding comparison.json)")
@@ -54,11 +47,6 @@ def main() -> None:
         chances = ", ".join(f"{n} reps {fail_chance(c, n, args.draws, rng):.1%}" for n in args.reps)
         print(f"{d}: downtime median error {c['downtime_median_rel_err']:.1%} with {c['repetitions']} reps; "
               f"chance over the tolerance when resampled: {chances}")
-        for key, label in (("step_time_s", "full membership"), ("fewer_step_time_s", "fewest workers")):
-            moves = pace_moves(c, key)
-            if moves:
-                print(f"  pace runs back to back, {label}: largest move {max(abs(m) for m in moves):.0%} "
-                      f"({' '.join(f'{m:+.2f}' for m in moves)})")
 
 
 if __name__ == "__main__":

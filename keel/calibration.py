@@ -3,8 +3,8 @@ its names and units, one primitive's record, and reading, checking and writing i
 library only: the twin reads the file, the planner writes it, neither owns its format.
 
     {"format": "keel-calibration", "format_version": 1, "created": ISO time, "machine": {...},
-     "versions": {...}, "reference": {...}, "duration_s": s, "missing": [names],
-     "runtime_failures": [...], "pace": {...},
+     "versions": {...}, "reference": {"scenario", "nodes", "time_scale", ...}, "duration_s": s,
+     "missing": [names], "runtime_failures": [...],
      "primitives": {NAME: {"median": x, "spread": [min, max], "iqr": [q1, q3],
                            "samples": [...], "n": k, "unit": "s" | "GB/s" | ..., ...}}}
 
@@ -24,20 +24,17 @@ FORMAT = "keel-calibration"
 FORMAT_VERSION = 1
 FILENAME = "calibration.json"
 
-# what every calibration measures, with its unit
+# what `keel calibrate` measures (the real part of an emulated run: planner/calibrate_fit.py)
+MEASURED = {"reform_s": "s", "spare_takeover_s": "s"}
+# every primitive the twin takes from a calibration where it has one (twin/params.py says what
+# each is); the rest of a calibration's names are ignored
 UNITS = {
     "slot_compute_s": "s", "step_overhead_s": "s", "reduce_latency_s": "s", "reduce_gbyte_s": "GB/s",
-    "detect_kill_s": "s", "detect_hang_s": "s", "reform_s": "s", "state_transfer_gbyte_s": "GB/s",
-    "spare_takeover_s": "s", "ckpt_snapshot_gbyte_s": "GB/s", "ckpt_write_gbyte_s": "GB/s",
-    "ckpt_read_gbyte_s": "GB/s", "restart_s": "s",
+    "detect_kill_s": "s", "detect_hang_s": "s", "detect_rack_s": "s", "reform_s": "s",
+    "state_transfer_gbyte_s": "GB/s", "spare_takeover_s": "s", "ckpt_snapshot_gbyte_s": "GB/s",
+    "ckpt_write_gbyte_s": "GB/s", "ckpt_read_gbyte_s": "GB/s", "restart_s": "s",
 }
-# what a calibration may measure (the twin takes these where given)
-OPTIONAL = {"spike_rounds": "rounds",
-            "detect_rack_s": "s",
-            "host_pace_per_worker": "1/worker",
-            "spike_tail_s": "s"}
-PRIMITIVES = tuple(UNITS)
-NAMES = (*PRIMITIVES, *OPTIONAL)
+NAMES = tuple(UNITS)
 RATES = frozenset({"reduce_gbyte_s", "state_transfer_gbyte_s", "ckpt_snapshot_gbyte_s",
                    "ckpt_write_gbyte_s", "ckpt_read_gbyte_s", "slot_compute_s"})  # must be > 0
 
@@ -47,7 +44,7 @@ class CalibrationError(InputError):
 
 
 def unit(name: str) -> str:
-    return {**UNITS, **OPTIONAL}.get(name, "s")
+    return UNITS.get(name, "s")
 
 
 def entry(samples: Sequence[float], unit: str, **extra: Any) -> dict[str, Any]:
@@ -111,14 +108,15 @@ def write(calibration: Mapping[str, Any], path: str | Path) -> Path:
 
 
 def table(calibration: Mapping[str, Any]) -> str:
-    """The calibration for a terminal: one line per primitive."""
+    """The calibration for a terminal: one line per measured primitive."""
+    ref = calibration.get("reference", {})
     lines = [f"calibration on {calibration['machine']['hostname']} ({calibration['machine']['cpu_count']} CPUs, "
-             f"torch {calibration['versions']['torch']}), {calibration['duration_s']} s"]
-    for name in NAMES:
-        e = calibration["primitives"].get(name)
-        if e is None:
-            lines.append(f"  {name:<24} (not measured)")
-            continue
+             f"torch {calibration['versions']['torch']}), {calibration['duration_s']} s; "
+             f"{ref.get('scenario', '?')} emulated ({ref.get('nodes', '?')} nodes, time scale {ref.get('time_scale', '?')})"]
+    for name, e in calibration["primitives"].items():
         lines.append(f"  {name:<24} {e['median']:>12.6g} {e['unit']:<5} range [{e['spread'][0]:.4g}, "
                      f"{e['spread'][1]:.4g}]  n={e['n']}")
+    for name in calibration.get("missing", []):
+        lines.append(f"  {name:<24} (not measured: no run gave a sample)")
+    lines.append("  everything else: the scenario's (an emulated cluster's hardware is the scenario's)")
     return "\n".join(lines)

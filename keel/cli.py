@@ -73,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--json", action="store_true")
     dp.set_defaults(func=_handler("runtime.cli_data:data_prepare"))
 
-    sp = sub.add_parser("calibrate", help="measure the runtime's primitives for the twin")
-    sp.add_argument("--out", default="calibration.json")
-    sp.add_argument("--quick", action="store_true", help="fewer repetitions and shorter runs")
+    sp = sub.add_parser("calibrate", help="measure what is real in an emulated run of the scenario, for the twin")
+    scenario_args(sp, required=False)
+    sp.add_argument("--out", default="calibration.json", help="the calibration file to write (default: %(default)s)")
+    sp.add_argument("--quick", action="store_true", help="fewer emulated runs (2 instead of 3)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=_handler("planner.cli:calibrate"))
 

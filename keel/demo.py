@@ -3,7 +3,9 @@
 1. the twin predicts the 46-node, 4-region cluster: the headline and the per-fault table;
 2. the planner searches recovery policies for it on the twin;
 3. the runtime runs the local 8-worker scenario for real, one fault of each class injected;
-4. validate replays that schedule in the twin and prints predicted against observed.
+4. validate runs the default scenario as an emulated cluster (46 worker processes, the
+   scenario's hardware, one fault of each class), measuring its calibration first, and
+   replays the same schedule in the twin: predicted against observed, and a verdict.
 """
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ def cli(args: Any) -> int:
          ["plan", str(DEFAULT_SCENARIO), "--trials", "24", "--replicas", "4", "--out", str(out / "plan")]),
         ("runtime.cli", f"runtime: {LOCAL_SCENARIO.name}, real processes, one fault of each class",
          ["run", str(LOCAL_SCENARIO), "--out", str(out / "run")]),
-        ("planner.cli", f"validate: twin against runtime on {LOCAL_SCENARIO.name}",
-         ["validate", str(LOCAL_SCENARIO), "--out", str(out / "validate")]),
+        ("planner.cli", f"validate: twin against the emulated {DEFAULT_SCENARIO.stem} cluster "
+                        "(46 worker processes; calibration first)",
+         ["validate", str(DEFAULT_SCENARIO), "--out", str(out / "validate")]),
     ]
     for module, title, argv in stages:
         _stage(title)

@@ -11,6 +11,8 @@ on the same inputs and checks they decide the same.
   folds into those two figures); a region's capacity is the sum over its live nodes.
 - The straggler rule (`is_straggler` on a measured time per slot, `straggler_excess_s` on a
   predicted delay per slot: one inequality in the form each side has; `probe_recovered`).
+- `state_source_region`: where the state comes from for members that are behind (a spare
+  taking over, a node coming back).
 - `resolve_schedule`: each scheduled fault with its class's parameters filled in.
 """
 from __future__ import annotations
@@ -157,6 +159,30 @@ def park_destinations(movers: Sequence[tuple[str, int]], others: Sequence[Holder
             held[p] += 1
         plan += [(name, to, counts[to]) for to in sorted(counts, key=order.get)]
     return plan
+
+
+def state_source_region(regions_with_state: Sequence[str], receiver_regions: Sequence[str],
+                        latency: Callable[[str, str], float]) -> str:
+    """The region whose first up-to-date member (in scenario order) sends the state to the
+    members that are behind: the one nearest to them (the smallest latency to the farthest
+    receiver's region; ties to the first in `regions_with_state`, which is in scenario order).
+    A receiver in the same region is at latency 0, so a spare takes its state from a peer of
+    its own region where there is one, never over an inter-region link."""
+    if not regions_with_state:
+        raise ValueError("no member holds the state")
+    if not receiver_regions:
+        return regions_with_state[0]
+    return min(regions_with_state,
+               key=lambda r: (max(0.0 if r == x else latency(r, x) for x in receiver_regions),
+                              regions_with_state.index(r)))
+
+
+def heartbeat_detect_s(detect_timeout_s: float, since_last_message_s: float) -> float:
+    """When a node that went silent is declared lost, counted from the moment it went silent:
+    the coordinator waits `detect_timeout_s` after the last message it had from it (any
+    message counts: a step report as much as a heartbeat), which came `since_last_message_s`
+    before it went silent."""
+    return max(0.0, detect_timeout_s - since_last_message_s)
 
 
 # ----------------------------------------------------------------------------- stragglers

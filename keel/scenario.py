@@ -186,11 +186,11 @@ class Data:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Validate:
     downtime_rel_tol: float = _doc("median relative error allowed on per-fault downtime", 0.10)
+    fault_rel_tol: float = _doc("relative error allowed on every single fault's downtime", 0.15)
     wall_rel_tol: float = _doc("relative error allowed on wall time", 0.05)
-    repetitions: int = _doc("runtime repetitions per validation", 3)
-    pace_steady_tol: float = _doc("largest change of the fault-free pace across a repetition (the pace runs "
-                                  "before and after it) for it to be judged; one outside is run again", 0.15)
-    reruns: int = _doc("repetitions run again at most, per validation, when the pace moved across them", 3)
+    repetitions: int = _doc("emulated runtime repetitions per validation", 2)
+    steps: int = _doc("training steps of each validation run, runtime and twin (0: run.steps); every "
+                      "scheduled fault must strike before the last", 0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -579,8 +579,8 @@ def _check(s: Scenario) -> None:
     positive(s.validate.downtime_rel_tol, "validate.downtime_rel_tol")
     positive(s.validate.wall_rel_tol, "validate.wall_rel_tol")
     positive(s.validate.repetitions, "validate.repetitions")
-    positive(s.validate.pace_steady_tol, "validate.pace_steady_tol")
-    positive(s.validate.reruns, "validate.reruns", True)
+    positive(s.validate.fault_rel_tol, "validate.fault_rel_tol")
+    positive(s.validate.steps, "validate.steps", True)
     positive(s.emulation.time_scale, "emulation.time_scale")
     if not 0.0 <= s.emulation.max_overrun_fraction <= 1.0:
         fail("emulation.max_overrun_fraction", f"expected a fraction in [0, 1], got {s.emulation.max_overrun_fraction!r}")

@@ -24,7 +24,7 @@ def _positive(value: int, flag: str) -> int:
 def calibrate(args: Any) -> int:
     from planner import calibrate as C
     quick = getattr(args, "quick", False) or os.environ.get(QUICK_ENV, "") not in ("", "0")
-    cal = C.calibrate(quick=quick, progress=True)
+    cal = C.calibrate(quick=quick, base=args.loaded, progress=True)
     path = C.write(cal, args.out)
     if args.json:
         print_json(cal)

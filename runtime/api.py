@@ -1,7 +1,6 @@
 """The runtime's public entry point (the planner and `keel run` use only this).
 
     run_scenario(scenario, out_dir, ...) -> summary        # a real run: events.jsonl, summary.json
-    measure_primitives(scenario, reps, workdir, ...) -> {}  # raw samples of its primitives (calibrate)
     commit_sha() -> str                                     # the code's git HEAD, as checkpoints record it
 """
 from __future__ import annotations
@@ -9,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from keel.scenario import Scenario
 
@@ -59,16 +58,6 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
     summary = coord.run()
     write_summary(out, summary)
     return summary
-
-
-def measure_primitives(scenario: Scenario, reps: int, workdir: str | Path, *, world: int | None = None,
-                       progress: Callable[[str], None] | None = None, timeout_s: float = 300.0) -> dict[str, Any]:
-    """Measure, on this machine, the runtime's primitives in `scenario`'s shape (its model, data
-    and `world` = its training workers as gloo processes), `reps` repetitions each: raw samples,
-    as `runtime.measure.measure_primitives` describes them. Raises `RunFailed` if the
-    benchmark's processes fail or do not report within `timeout_s`."""
-    from runtime.measure import measure_primitives as measure
-    return measure(scenario, reps, workdir, world=world, progress=progress, timeout_s=timeout_s)
 
 
 def commit_sha() -> str:

@@ -47,11 +47,15 @@ def _set_pdeathsig() -> None:
 
 
 def _pick_device(device: str, backend: str, local_index: int) -> str:
-    """The worker's device; with NCCL each rank on a GPU of its own (the node's index among
-    this machine's GPUs, or torchrun's LOCAL_RANK)."""
+    """The worker's device: "cuda" without an index puts the node on one of this machine's
+    GPUs by its index among them (torchrun's LOCAL_RANK where set; with gloo several workers
+    may share one GPU); with NCCL each rank must have a GPU of its own."""
     if device.startswith("cuda"):
-        if backend == "nccl":
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', local_index)) % torch.cuda.device_count()}"
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise RuntimeError(f"KEEL_DEVICE={device}: torch sees no CUDA device here")
+        if backend == "nccl" or ":" not in device:
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', local_index)) % count}"
         torch.cuda.set_device(torch.device(device))
     return device
 

@@ -85,30 +85,36 @@ def plan_run(root: Path) -> tuple[Path | None, str]:
     return _once("plan", make)
 
 
+# the emulated cluster validate runs here, with a checkpoint every 5 steps (the checkpoint pages)
+EMULATED = REPO / "scenarios" / "multiregion-12.toml"
+EMULATED_SETTINGS = ("--set", "checkpoint.interval_steps=5")
+
+
 def calibration(root: Path) -> tuple[Path | None, str]:
-    """`keel calibrate` in its quick mode (KEEL_CALIBRATE_QUICK=1, the planner's switch for tests)."""
+    """`keel calibrate scenarios/multiregion-12.toml` in its quick mode (KEEL_CALIBRATE_QUICK=1,
+    the planner's switch for tests)."""
     def make():
         if not available("planner.calibrate"):
             return None, "keel calibrate (planner/calibrate.py) is not in this checkout yet"
         out = root / "calibration.json"
-        keel("calibrate", "--out", str(out), timeout=400, KEEL_CALIBRATE_QUICK="1")
+        keel("calibrate", str(EMULATED), *EMULATED_SETTINGS, "--out", str(out), timeout=400, KEEL_CALIBRATE_QUICK="1")
         return out, ""
     return _once("calibration", make)
 
 
 def validation_run(root: Path) -> tuple[Path | None, str]:
-    """`keel validate scenarios/local-8.toml` with one runtime repetition, on a quick
-    calibration: comparison.json, twin/, runtime/rep-0/."""
+    """`keel validate scenarios/multiregion-12.toml` (emulated) with one runtime repetition,
+    on a quick calibration: comparison.json, twin/, runtime/rep-0/."""
     def make():
         if not (twin_ok() and available("planner.validate") and available("runtime.api")):
             return None, "keel validate (planner/validate.py + runtime/api.py) is not in this checkout yet"
         cal, why = calibration(root)
         if cal is None:
             return None, why
-        out = root / "validate-local-8"
+        out = root / "validate-multiregion-12"
         # exit 1 = it ran and the comparison failed its tolerances: still a real comparison
-        keel("validate", str(LOCAL), "--calibration", str(cal), "--set", "validate.repetitions=1",
-             "--out", str(out), timeout=400, ok=(0, 1))
+        keel("validate", str(EMULATED), *EMULATED_SETTINGS, "--calibration", str(cal),
+             "--set", "validate.repetitions=1", "--out", str(out), timeout=400, ok=(0, 1))
         assert (out / "comparison.json").is_file()
         return out, ""
     return _once("validation", make)

@@ -138,3 +138,55 @@ def test_time_scale_without_emulation_is_an_input_error(tmp_path):
                        capture_output=True, text=True, cwd=REPO, timeout=120)
     assert p.returncode == 2, p.stderr
     assert "--time-scale" in p.stderr and "--emulate" in p.stderr and "Traceback" not in p.stderr
+
+
+def _emulated_collective_s(sc, members, spike=None, length=44_000):
+    """The emulated all-reduce over `members` without processes: the runtime's own plan
+    (runtime/emulation/hier.py) priced message by message (netem.py), every node starting at
+    0; `spike` = (target, seconds) on the messages the target sends (a node: all of them; a
+    region: those to other regions)."""
+    from runtime.emulation import hier, netem
+    groups = H.ring_members(sc, members)
+    order = [n for g in groups for n in g]
+    index = {n: i for i, n in enumerate(order)}
+    plan = hier.build_plan([[index[n] for n in g] for g in groups], length)
+    pricer = netem.CollectivePricer(netem.LinkEmulator(sc), order)
+    pricer.bytes_per_element = sc.workload.gradient_bytes / length
+    pricer.key = "parity"
+
+    def price(step, msg, t):
+        src, dst = order[msg.src], order[msg.dst]
+        region = src.rsplit("/", 1)[0]
+        on = spike is not None and (src == spike[0] or (region == spike[0] and dst.rsplit("/", 1)[0] != region))
+        pricer.spike_s, pricer.spike_scope = (spike[1], "node" if "/" in spike[0] else "region") if on else (0.0, None)
+        return pricer(step, msg, t)
+    return max(hier.clocks(plan, [0.0] * len(order), price))
+
+
+def test_the_twins_collective_is_the_emulated_one():
+    """The twin's model of the hierarchical all-reduce (twin/topology.py: a chain of dependent
+    messages, computed per region) against the runtime's emulated one, message by message, on
+    the default cluster: the reduction within 3 % over four memberships; a spike on a region's
+    links costs the same on both sides; a node's spike is bounded by the twin (it takes the
+    node's region's worst chain)."""
+    from twin.topology import Topology
+    sc = load(REPO / "scenarios" / "multiregion-46.toml")
+    topo = Topology(sc)
+    full = sc.node_names[: sc.training_nodes]
+    cases = {"all four regions": full,
+             "eu-west lost": [n for n in full if not n.startswith("eu-west")],
+             "two regions": [n for n in full if n.startswith(("us-east", "ap-southeast"))],
+             "one region": [n for n in full if n.startswith("us-west")]}
+    nbytes = sc.workload.gradient_bytes
+    for name, members in cases.items():
+        active: dict[str, int] = {}
+        for m in members:
+            active[m.rsplit("/", 1)[0]] = active.get(m.rsplit("/", 1)[0], 0) + 1
+        emulated = _emulated_collective_s(sc, members)
+        assert topo.reduction(active).seconds(nbytes) == pytest.approx(emulated, rel=0.03), name
+        if "ap-southeast" in active and len(active) > 1:
+            spiked = _emulated_collective_s(sc, members, ("ap-southeast", 0.4)) - emulated
+            assert topo.spike_delay_s("ap-southeast", 0.4, active) == pytest.approx(spiked, abs=0.02), name
+        node = members[1]
+        spiked = _emulated_collective_s(sc, members, (node, 0.25)) - emulated
+        assert spiked - 0.01 <= topo.spike_delay_s(node, 0.25, active) <= 4 * 0.25, name

@@ -50,3 +50,24 @@ def test_cli_exit_codes(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "keel.cli", "run", str(tmp_path / "missing.toml")],
                          capture_output=True, text=True, cwd=str(REPO), timeout=60)
     assert bad.returncode == 2 and "missing.toml" in bad.stderr
+
+
+def test_a_run_whose_workers_all_die_before_joining_fails_at_once(tmp_path):
+    """Every worker process dies as it starts (here: KEEL_DEVICE=cuda where torch sees no
+    GPU): the run fails at once, pointing at the workers' output, instead of waiting out the
+    join timeout (it waited 8 minutes on a GPU machine, 4 Dec, before _pick_device was fixed)."""
+    import time
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: KEEL_DEVICE=cuda would work")
+    from runtime_helpers import write_scenario
+    path = write_scenario(tmp_path, steps=4)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "keel.cli", "run", str(path), "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, cwd=str(REPO), timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(REPO), KEEL_DEVICE="cuda"))
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "every worker process exited before joining" in p.stderr and str(tmp_path / "run" / "logs") in p.stderr
+    assert time.monotonic() - t0 < 60
+    logs = "".join(f.read_text() for f in (tmp_path / "run" / "logs").glob("*.log"))
+    assert "torch sees no CUDA device" in logs

@@ -31,7 +31,7 @@ def test_json_prints_one_object_and_nothing_else(capsys):
 def test_headline_and_fault_table(capsys):
     assert main(["simulate", MULTIREGION]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("multiregion-46: 46 nodes, 4 regions, 1 scheduled + ")
+    assert out[0].startswith("multiregion-46: 46 nodes, 4 regions, 4 scheduled + ")
     assert "faults absorbed, 0 restarts, goodput 0.9" in out[0]
     assert out[1].split()[:4] == ["id", "t", "(h)", "step"]
     assert "us-east/3" in out[2] and "replicate_resume" in out[2]

@@ -4,8 +4,6 @@
     result.events    # list[keel.events.Event], the shared event schema
     result.summary   # keel.metrics.summarize(events) + tool, scenario, config_hash, seed, ...
     twin.simulate_replicas(scenario, replicas, seed=None, calibration=None, processes=None)
-    twin.fault_free_step_s(scenario, calibration, holders)   # the modelled fault-free step
-    twin.fewest_holders(scenario, calibration)               # the smallest membership a run trains with
     twin.load_calibration(path)                              # keel.calibration.load
 
 Same scenario, seed and calibration: the same events, byte for byte. `twin` never imports the
@@ -27,8 +25,8 @@ from keel.progress import progress_bar
 from keel.stats import mean_ci95
 from twin.replicas import LocalRunner, SerialRunner
 
-__all__ = ["TwinResult", "simulate", "simulate_replicas", "LocalRunner", "SerialRunner", "build_summary", "fault_free_step_s",
-           "fewest_holders", "load_calibration", "CalibrationError"]
+__all__ = ["TwinResult", "simulate", "simulate_replicas", "LocalRunner", "SerialRunner", "build_summary",
+           "load_calibration", "CalibrationError"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,21 +58,6 @@ def simulate(scenario: Scenario, seed: int | None = None,
     sim, params = _simulation(scenario, calibration, seed)
     events = sim.run()
     return TwinResult(events, build_summary(scenario, events, seed, params.calibrated))
-
-
-def fault_free_step_s(scenario: Scenario, calibration: dict | str | Path | None, holders: int) -> float:
-    """The twin's expected fault-free step with the run's slots placed over the first `holders`
-    nodes in scenario order (as a fault-free run with that many training nodes has them),
-    host sharing included."""
-    return _simulation(scenario, calibration, None)[0].fault_free_step_s(holders)
-
-
-def fewest_holders(scenario: Scenario, calibration: dict | str | Path | None = None,
-                   seed: int | None = None) -> int:
-    """The fewest nodes that held slots in any layout the seeded run trained with."""
-    sim, _ = _simulation(scenario, calibration, seed)
-    sim.run()
-    return min(sim.memberships)
 
 
 def build_summary(scenario: Scenario, events: list[Event], seed: int,

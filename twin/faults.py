@@ -132,9 +132,13 @@ class Faults:
             self.cluster.update(n, up=False, role=None if n.role == "train" else "down")
             self.env.process(self._repair(n, n.incarnation, repair_h * HOUR))
         if holding:
-            # killed nodes: the runtime sees each death as connection loss / process exit
-            mean = self.params.detect_kill_s if fault == "hardware_fault" else self.params.detect_rack_s
-            self.env.process(self._detector(fid, self._detect_delay(mean)))
+            p = self.params
+            if scheduled and p.detect_at_commit_s is not None:
+                # a crash right after a commit: the node's last message was its step report
+                delay = p.detect_at_commit_s
+            else:
+                delay = self._detect_delay(p.detect_kill_s if fault == "hardware_fault" else p.detect_rack_s)
+            self.env.process(self._detector(fid, delay))
             self.sim.notify(Cause("loss", fid, interrupts_run=True, aborts_pause=True))
 
     def strike_spike(self, target: str, spike_s: float, duration_s: float, scheduled: bool) -> None:

@@ -170,15 +170,6 @@ class Simulation:
         self.env.run(until=self.trainer)
         return self.events
 
-    def fault_free_step_s(self, holders: int) -> float:
-        """twin.cost.StepCost.fault_free_step_s: the fault-free step over the first `holders` nodes."""
-        return self.cost.fault_free_step_s(holders)
-
-    @property
-    def memberships(self) -> set[int]:
-        """How many nodes held slots, in each layout the run trained with."""
-        return self.cost.memberships
-
     # ------------------------------------------------------------------ the event log
     def committed_now(self) -> int:
         seg = self.segment
@@ -327,14 +318,17 @@ class Simulation:
         spares = [n.name for n in c.spare_nodes(1)]
         picks = R.place_lost_slots(info.action, lost, lambda: c.as_holders(c.active()), spares,
                                    self.topology.region_names, lost_region=info.target)
-        takeover = 0.0
+        takeover, spare = 0.0, None
         if spares and spares[0] in picks:
-            c.update(c.nodes[spares[0]], role="train")
+            spare = spares[0]
+            c.update(c.nodes[spare], role="train")
             takeover = self.params.spare_takeover_s
         receivers = c.give(c.counts(picks))
         assert c.held_slots + c.orphaned_slots() == c.slot_count, "slots lost"
         self.awaiting_recovery.append(fid)
-        self.recovery_s = max(self.recovery_s, self.params.reform_s + takeover + self.cost.transfer_s(receivers))
+        # survivors hold the state already: only a spare taking over needs a copy of it
+        behind = [(name, k) for name, k in receivers if name == spare]
+        self.recovery_s = max(self.recovery_s, self.params.reform_s + takeover + self.cost.transfer_s(behind))
         self.emit_episode("reslot", fid, slots=lost, to=[f"{name}:{k}" for name, k in receivers])
 
     def _recover(self) -> Generator:

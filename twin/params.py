@@ -34,28 +34,14 @@ Calibrated primitives (name: what it is; where the scenario value comes from):
   ckpt_write_gbyte_s      per-node checkpoint write, GB/s (checkpoint.write_gbyte_s)
   ckpt_read_gbyte_s       per-node checkpoint read, GB/s (checkpoint.read_gbyte_s)
   restart_s               relaunch and rendezvous of the whole job, s (policy.restart_s)
-  host_pace_per_worker    optional: workers that share one machine's cores make each step slower, the
-                          more of them compute: the fault-free step with w workers holding slots is
-                          the modelled step x (1 + host_pace_per_worker x (w - training nodes)).
-                          Measured by `keel calibrate` from fault-free runs at several worker counts
-                          (its `pace` fit's slope over its fitted step at the reference count).
-                          Given, it also says the workers share one machine: the calibrated reduction
-                          is then that machine's for any membership (the host factor scales it), not
-                          rescaled by the scenario's topology, which describes a cluster that is not
-                          there, and a step's compute is the slots' total spread evenly over the
-                          workers holding them (the shared cores do all of it, whoever holds which).
-                          Default none: independent machines, as a real cluster's nodes are
-  spike_tail_s            optional: a spiked step's collective and commit once the delayed worker has
-                          reached it, s. The runtime's gate delays the target before its
-                          collectives, while the others compute and then wait for it, so a spiked
-                          step lasts max(fault-free step, target's compute + delay + spike_tail_s):
-                          the others' part hides under the delay. Measured by `keel calibrate` as
-                          a spiked step's interval minus the target's reported time to its
-                          collective. Default: none, the delay adds to the whole step
-  spike_rounds            optional: latency-bound rounds per step that a latency spike delays
-                          (default: the topology's, every ring phase the target is in: 2 (n_r - 1)
-                          + 2 (R - 1) for a node; the runtime's gate sleeps once per collective, so
-                          a calibration of it would set 1)
+  detect_at_commit_s      not calibrated: a scheduled crash strikes right after a commit, when the
+                          node's last message (its step report) is fresh, so the whole
+                          detect_timeout_s runs (keel.recovery.heartbeat_detect_s); None where
+                          detect_kill_s is calibrated (a process death seen as connection loss)
+
+Nothing here describes the machine the tests run on: an emulated cluster's compute, network,
+storage and detection are the scenario's, and a calibration measures only the runtime's own
+recovery work (planner/calibrate_fit.py).
 
 Reductions and transfers over memberships or routes other than the reference ones keep the
 topology's shape: the model scales the topology's figures by calibrated / reference.
@@ -66,6 +52,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from keel import recovery as R
 from keel.calibration import CalibrationError, load as load_calibration, medians
 from keel.scenario import Scenario
 from twin.topology import Topology
@@ -90,11 +77,9 @@ class TwinParams:
     ckpt_write_gbyte_s: float
     ckpt_read_gbyte_s: float
     restart_s: float
-    spike_rounds: float | None = None
     detect_rack_s: float | None = None  # None: as detect_kill_s
-    host_pace_per_worker: float | None = None  # None: independent machines
-    spike_tail_s: float | None = None
     # not calibrated: taken from the scenario as they are
+    detect_at_commit_s: float | None = None  # a crash right after a commit (scheduled faults); None: as detect_kill_s
     compute_jitter: float = 0.0
     heartbeat_s: float = 1.0
     replace_node_s: float = 0.0
@@ -131,7 +116,12 @@ class TwinParams:
         values.update(measured)
         if "detect_rack_s" not in values:
             values["detect_rack_s"] = values["detect_kill_s"]
-        return cls(**values, compute_jitter=scenario.workload.compute_jitter,
+        # A scheduled crash strikes right after a commit, when the node's last message (its step
+        # report; any message counts as a heartbeat) is fresh: the full timeout runs
+        # (keel.recovery.heartbeat_detect_s). A calibrated detect_kill_s (a process death seen as
+        # connection loss) holds for it too.
+        at_commit = None if "detect_kill_s" in measured else R.heartbeat_detect_s(p.detect_timeout_s, 0.0)
+        return cls(**values, compute_jitter=scenario.workload.compute_jitter, detect_at_commit_s=at_commit,
                    heartbeat_s=p.heartbeat_s, replace_node_s=p.replace_node_s,
                    calibrated=tuple(sorted(measured)))
 

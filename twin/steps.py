@@ -91,7 +91,6 @@ class StepShape:
     fixed_s: float          # reduction (latency + bytes) + overhead + spike delay
     latency_s: float        # the reduction's latency term (the link noise never undercuts it)
     link_jitter_s: float    # standard deviation of the per-step link noise
-    floor_s: float = 0.0    # no step is shorter (a spiked worker's compute + delay + the collective)
 
     def draw(self, pool: "NormalPool", count: int) -> np.ndarray:
         """`count` step times, one draw per group and step (plus one for the links)."""
@@ -106,8 +105,6 @@ class StepShape:
         out = slowest + self.fixed_s
         if self.link_jitter_s > 0:
             out += np.maximum(self.link_jitter_s * pool.max_of(1, count), -self.latency_s)
-        if self.floor_s > 0:
-            np.maximum(out, self.floor_s, out=out)
         return out
 
     @property
@@ -116,8 +113,7 @@ class StepShape:
         return sum(n for n, _ in self.groups)
 
     def expected_s(self) -> float:
-        # with a floor: max(E[step], floor), a close bound (the step's spread is small against it)
-        return max(expected_max(self.groups, self.compute_jitter) + self.fixed_s, self.floor_s)
+        return expected_max(self.groups, self.compute_jitter) + self.fixed_s
 
 
 _ERFC = np.frompyfunc(math.erfc, 1, 1)

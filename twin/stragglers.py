@@ -66,14 +66,9 @@ class Stragglers:
         holders = self.cluster.spiked_holders(sp)
         if not holders:
             return
-        hf = self.cost.host_factor(self.cluster.holders())
-        compute = max(n.slots * self.params.slot_compute_s / n.speed for n in holders) * hf
+        compute = max(n.slots * self.params.slot_compute_s / n.speed for n in holders)
         if sim.carry_elapsed_s < compute:
-            delay = self.cost.spike_delay(sp, self.cluster.active_per_region(), step=sim.committed)
-            if self.params.spike_tail_s is None:
-                sim.carry_s += delay
-            else:
-                sim.carry_s = max(sim.carry_s, compute + delay + self.params.spike_tail_s - sim.carry_elapsed_s)
+            sim.carry_s += self.cost.spike_delay(sp, self.cluster.active_per_region(), step=sim.committed)
             sp.in_flight = True
 
     def _watch(self, fid: int) -> None:
@@ -90,8 +85,10 @@ class Stragglers:
         holders = self.cluster.spiked_holders(sp)
         if not self.cluster.groups or not holders:  # nobody computing, or the target holds nothing
             return
-        delay = self.cost.spike_delay(sp, self.cluster.active_per_region())
-        med = self.params.slot_compute_s * self.cost.host_factor(self.cluster.holders())
+        # the runtime measures the time to reach the collective: the compute plus the gate's
+        # own delay (the spike), not what the spike then costs the collective
+        delay = sp.spike_s
+        med = self.params.slot_compute_s
         p = self.policy
         excess = max(delay / n.slots for n in holders)
         if delay <= 0 or excess <= R.straggler_excess_s(med, p.straggler_factor):

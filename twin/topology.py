@@ -70,6 +70,7 @@ class Topology:
         self._route_cache: dict[tuple[str, str], tuple[float, tuple[frozenset, ...], float]] = {}
         self._ring_cache: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._cost_cache: dict[tuple[tuple[str, int], ...], ReductionCost] = {}
+        self._spike_cache: dict[tuple, float] = {}
 
     # -- routing over the links between regions
     def route(self, a: str, b: str) -> tuple[float, tuple[frozenset, ...], float]:
@@ -98,57 +99,102 @@ class Topology:
         return self._cost_cache[shape]
 
     def _reduction(self, active: dict[str, int]) -> ReductionCost:
-        total_nodes = sum(active.values())
-        if total_nodes <= 1:
+        if sum(active.values()) <= 1:
             return NO_REDUCTION
-        intra_latency = intra_per_byte = 0.0
-        for name, n in active.items():
-            if n > 1:
-                r = self._regions[name]
-                phases = 2 * (n - 1)  # reduce-scatter + all-gather
-                intra_latency = max(intra_latency, phases * r.intra_latency_ms / 1e3)
-                intra_per_byte = max(intra_per_byte, phases / n / (r.intra_gbit_s * GBIT))
+        nbytes = max(1.0, float(self.scenario.workload.gradient_bytes))
+        latency = self.collective_s(active, 0.0)
+        per_byte = max(0.0, self.collective_s(active, nbytes) - latency) / nbytes
         regions = list(active)
-        if len(regions) == 1:
-            return ReductionCost(intra_latency, intra_per_byte, 0.0)
-        ring = self.region_ring(regions)
-        edges = list(zip(ring, ring[1:] + ring[:1]))
-        if len(ring) == 2:
-            edges = edges[:1]  # two regions: one edge, used both ways
-        uses: dict[frozenset, int] = {}
-        for a, b in edges:
-            for link in self.route(a, b)[1]:
-                uses[link] = uses.get(link, 0) + 1
-        R = len(ring)
-        phase_latency = phase_per_byte = phase_jitter = 0.0
-        for a, b in edges:
-            latency, links, jitter = self.route(a, b)
-            bandwidth = min(self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] / uses[l] for l in links)
-            # the region's nodes inject its shards in parallel: never faster than they can send
-            injection = min(active[x] * self._regions[x].intra_gbit_s * GBIT for x in (a, b))
-            phase_latency = max(phase_latency, latency)
-            phase_per_byte = max(phase_per_byte, 1.0 / R / min(bandwidth, injection))
-            phase_jitter = max(phase_jitter, jitter)
-        phases = 2 * (R - 1)
-        return ReductionCost(intra_latency + phases * phase_latency,
-                             intra_per_byte + phases * phase_per_byte,
-                             math.sqrt(phases) * phase_jitter)
+        jitter = 0.0
+        if len(regions) > 1:
+            ring = self.region_ring(regions)
+            edges = list(zip(ring, ring[1:] + ring[:1]))
+            phases = 2 * (len(ring) - 1)
+            jitter = math.sqrt(phases) * max(self.route(a, b)[2] for a, b in edges)
+        return ReductionCost(latency, per_byte, jitter)
+
+    def collective_s(self, active: dict[str, int], nbytes: float, spike: tuple[str, float] | None = None) -> float:
+        """Seconds of one hierarchical all-reduce of `nbytes` over `active` (region -> nodes),
+        every node starting together, with a latency spike `(target, seconds)` on the
+        messages a node sends (target `region/i`) or a region's nodes send to other regions
+        (target a region).
+
+        Nothing waits for a phase to end everywhere: a node sends its next piece once it has
+        received the previous one (as a ring all-reduce runs), so the time is the longest
+        chain of dependent messages, computed per region (its nodes alike):
+        - inside region r of n nodes, each of the n - 1 steps of the reduce-scatter (and again
+          of the all-gather) sends B / n bytes one hop: intra latency + B / n / node bandwidth;
+        - across the R regions, 2 (R - 1) ring steps; at step s region a sends B / R bytes
+          to the next region over the routed path (latency + bytes / bottleneck bandwidth,
+          a link shared by the ring edges routed over it, and never faster than a's nodes can
+          inject), and the receiver goes on when both its own previous step and that piece
+          are done.
+        A spike adds to every message its target sends, so it delays the chain once per
+        step the chain crosses it."""
+        shape = {r: n for r, n in active.items() if n > 0}
+        if sum(shape.values()) <= 1:
+            return 0.0
+        node_spike = region_spike = None
+        if spike is not None:
+            target, seconds = spike
+            if "/" in target:
+                node_spike = (target.split("/", 1)[0], seconds)
+            else:
+                region_spike = (target, seconds)
+        clock: dict[str, float] = {}
+
+        def intra(r: str) -> float:
+            n = shape[r]
+            if n <= 1:
+                return 0.0
+            reg = self._regions[r]
+            hop = reg.intra_latency_ms / 1e3 + nbytes / n / (reg.intra_gbit_s * GBIT)
+            extra = node_spike[1] if node_spike is not None and node_spike[0] == r else 0.0
+            return (n - 1) * hop + extra
+        for r in shape:
+            clock[r] = intra(r)
+        if len(shape) > 1:
+            ring = self.region_ring(list(shape))
+            R = len(ring)
+            edges = list(zip(ring, ring[1:] + ring[:1]))
+            uses: dict[frozenset, int] = {}
+            for a, b in (edges[:1] if R == 2 else edges):
+                for link in self.route(a, b)[1]:
+                    uses[link] = uses.get(link, 0) + 1
+            cost = {}
+            for a, b in edges:
+                latency, links, _ = self.route(a, b)
+                latency += (self._regions[a].intra_latency_ms + self._regions[b].intra_latency_ms) / 2e3
+                bandwidth = min([self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] / uses[l] for l in links]
+                                + [shape[x] * self._regions[x].intra_gbit_s * GBIT for x in (a, b)])
+                extra = 0.0
+                for sp in (node_spike, region_spike):
+                    if sp is not None and sp[0] == a:
+                        extra = max(extra, sp[1])
+                cost[a] = latency + nbytes / R / bandwidth + extra
+            nxt = dict(edges)
+            for _ in range(2 * (R - 1)):
+                sent = dict(clock)
+                for a in ring:
+                    b = nxt[a]
+                    clock[b] = max(clock[b], sent[a] + cost[a])
+        return max(clock[r] + intra(r) for r in shape)
 
     # -- latency spikes
     def spike_delay_s(self, target: str, spike_s: float, active_per_region: dict[str, int]) -> float:
-        """Extra step time a latency spike of `spike_s` on `target` (a node or a region's
-        links) adds: every latency-bound phase the target takes part in waits for it."""
-        regions_active = sum(1 for n in active_per_region.values() if n > 0)
-        inter_phases = 2 * (regions_active - 1)
-        if "/" in target:
-            region = target.split("/", 1)[0]
-            n = active_per_region.get(region, 0)
-            if n == 0:
-                return 0.0
-            return spike_s * (2 * (n - 1) + inter_phases)
-        if active_per_region.get(target, 0) == 0:
+        """Extra time a latency spike of `spike_s` on `target` (a node or a region's links)
+        adds to one all-reduce over `active_per_region` (`collective_s` with and without it)."""
+        region = target.split("/", 1)[0]
+        if active_per_region.get(region, 0) == 0 or spike_s <= 0:
             return 0.0
-        return spike_s * inter_phases
+        nbytes = float(self.scenario.workload.gradient_bytes)
+        key = (tuple(sorted((r, n) for r, n in active_per_region.items() if n > 0)), target, round(spike_s, 9))
+        got = self._spike_cache.get(key)
+        if got is None:
+            got = self._spike_cache[key] = max(
+                0.0, self.collective_s(active_per_region, nbytes, (target, spike_s))
+                - self.collective_s(active_per_region, nbytes))
+        return got
 
     # -- moving state between nodes
     def transfer_gbyte_s(self, receiver: str, peer_regions: Iterable[str]) -> float:

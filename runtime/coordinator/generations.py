@@ -68,6 +68,10 @@ class GenerationsMixin:
         expected = [n for n in self.nodes if n in self.workers and self.workers[n].alive] if self.spawn_local else self.nodes
         if all(n in self.workers and self.workers[n].joined for n in expected) and expected:
             self._initial_generation()
+        elif self.spawn_local and not expected:
+            # every process this run started died before joining: nothing will ever join
+            self.failure = (f"every worker process exited before joining the run (their output: "
+                            f"{self.out / 'logs'})")
         elif time.monotonic() > self.join_deadline:
             missing = [n for n in expected if not (n in self.workers and self.workers[n].joined)]
             self.failure = f"workers did not join within {JOIN_TIMEOUT_S:.0f} s: {', '.join(missing)}"
@@ -82,11 +86,27 @@ class GenerationsMixin:
 
     # ------------------------------------------------------------------------- generations
 
+    def _state_source(self, live_members: list, start: int, force_broadcast: bool) -> int:
+        """The rank that sends the state to the members that are behind: the first up-to-date
+        member of the region keel.recovery.state_source_region picks (a resume from a
+        checkpoint: the first up-to-date member, which reads it and sends it to all)."""
+        fresh = [i for i, w in enumerate(live_members) if w.committed == start]
+        behind = [i for i, w in enumerate(live_members) if w.committed != start]
+        if not fresh:
+            return 0
+        if force_broadcast or not behind:
+            return fresh[0]
+        from keel.hardware import message_latency_s
+        regions = list(dict.fromkeys(self.region_of[live_members[i].node] for i in fresh))
+        pick = R.state_source_region(regions, [self.region_of[live_members[i].node] for i in behind],
+                                     lambda a, b: message_latency_s(self.sc, a, b))
+        return next(i for i in fresh if self.region_of[live_members[i].node] == pick)
+
     def _announce(self, *, load: str | None, start: int, force_broadcast: bool = False) -> None:
         self.gen += 1
         self.members = sorted(self.slot_map, key=self.order.get)
         live_members = [self.workers[m] for m in self.members]
-        source = next((i for i, w in enumerate(live_members) if w.committed == start), 0)
+        source = self._state_source(live_members, start, force_broadcast)
         behind = [i for i, w in enumerate(live_members) if i != source and (force_broadcast or w.committed != start)]
         self.reports = {k: v for k, v in self.reports.items() if k <= start}
         self.nonfinite = {}
