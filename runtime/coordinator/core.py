@@ -158,8 +158,11 @@ class Coordinator(GenerationsMixin, FaultsMixin):
     # ------------------------------------------------------------------------- workers
 
     def spawn(self, node: str, fresh_interpreter: bool = False) -> None:
-        """Start the worker of `node` on this machine (procs.start_worker)."""
+        """Start the worker of `node` on this machine (procs.start_worker). On a GPU every worker
+        is a fresh interpreter: CUDA cannot be used in a process forked from one that has
+        touched it, and the fork server has (measured on an H200 with torch 2.11, 4 Dec)."""
         log_path = self.out / "logs" / (node.replace("/", "_") + ".log")
+        fresh_interpreter = fresh_interpreter or str(self.welcome.get("device", "cpu")).startswith("cuda")
         proc = start_worker(node, f"{self.host}:{self.port}", log_path, fresh_interpreter)
         old = self.workers.get(node)
         if old is not None and old.chan is not None:
