@@ -30,7 +30,7 @@ MEASURED = {"reform_s": "s", "spare_takeover_s": "s"}
 # each is); the rest of a calibration's names are ignored
 UNITS = {
     "slot_compute_s": "s", "step_overhead_s": "s", "reduce_latency_s": "s", "reduce_gbyte_s": "GB/s",
-    "detect_kill_s": "s", "detect_hang_s": "s", "detect_rack_s": "s", "reform_s": "s",
+    "detect_kill_s": "s", "detect_rack_s": "s", "reform_s": "s",
     "state_transfer_gbyte_s": "GB/s", "spare_takeover_s": "s", "ckpt_snapshot_gbyte_s": "GB/s",
     "ckpt_write_gbyte_s": "GB/s", "ckpt_read_gbyte_s": "GB/s", "restart_s": "s",
 }

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from keel.calibration import entry, unit
+from keel.calibration import MEASURED, entry, unit
 from keel.metrics import fault_episodes, mean_step_s_after_warmup
 
-RUN_KEYS = ("reform_s", "spare_takeover_s")
+RUN_KEYS = tuple(MEASURED)
 HOW = {
     "reform_s": "rack loss, no spare left: recover_end - reslot - state copy - the redone step, emulated runs",
     "spare_takeover_s": "killed node, a spare takes over: the same pause minus the rack loss's, emulated runs",

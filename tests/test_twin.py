@@ -153,14 +153,35 @@ def test_spike_on_a_region_delays_each_inter_region_crossing_of_the_chain():
 
 def test_max_of_nodes_in_one_draw_matches_brute_force():
     import numpy as np
-    shape = StepShape(((46, 6.0),), 0.03, 1.0, 0.5, 0.0)
+    shape = StepShape(((46, 6.0, 1.0),), 0.03, 0.0, 0.5, 0.0)
     pool = NormalPool(np.random.default_rng(0))
     drawn = shape.draw(pool, 20000)
     brute = 6.0 * (1 + 0.03 * np.random.default_rng(1).standard_normal((20000, 46))).max(axis=1) + 1.0
     assert drawn.mean() == pytest.approx(brute.mean(), rel=2e-3)
     assert drawn.std() == pytest.approx(brute.std(), rel=5e-2)
     assert shape.expected_s() == pytest.approx(brute.mean(), rel=2e-3)
-    assert expected_max(((1, 2.0),), 0.0) == 2.0
+    assert expected_max(((1, 2.0, 0.0),), 0.0) == 2.0
+
+
+def test_each_region_starts_its_own_reduction_chain():
+    """Groups with their own reduction chains (offsets): the step is the max over groups of
+    (the group's slowest node + its chain), not the slowest node + the longest chain."""
+    import numpy as np
+    shape = StepShape(((14, 6.0, 0.94), (12, 6.0, 1.07), (6, 6.0, 0.97)), 0.03, 0.1, 0.5, 0.0)
+    rng = np.random.default_rng(1)
+    brute = np.max(np.stack([6.0 * (1 + 0.03 * rng.standard_normal((40000, n))).max(axis=1) + off
+                             for n, _, off in shape.groups]), axis=0) + 0.1
+    drawn = shape.draw(NormalPool(np.random.default_rng(0)), 40000)
+    assert drawn.mean() == pytest.approx(brute.mean(), rel=1e-3)
+    assert shape.expected_s() == pytest.approx(brute.mean(), rel=1e-3)
+    barrier = StepShape(((32, 6.0, 1.07),), 0.03, 0.1, 0.5, 0.0)
+    assert shape.expected_s() < barrier.expected_s() - 0.02
+    # the chains: max-plus, every one at most the whole collective, the longest equal to it
+    topo = Topology(load(MULTIREGION))
+    active = {"us-east": 14, "us-west": 12, "eu-west": 12, "ap-southeast": 6}
+    chains = topo.chains_s(active, 1e10)
+    assert max(chains.values()) == pytest.approx(topo.collective_s(active, 1e10))
+    assert min(chains.values()) < max(chains.values()) - 0.05
 
 
 # ----------------------------------------------------------------------------- params
@@ -285,7 +306,9 @@ def test_hardware_fault_without_spare_loads_survivors_until_the_repair():
     # a survivor holding two slots doubles the compute until the repaired node takes one back
     degraded = [e for e in result.events if e.kind == "step" and first.t < e.t <= rejoin.t]
     pace = (degraded[-1].t - degraded[0].t) / (degraded[-1].step - degraded[0].step)
-    assert pace == pytest.approx(2.0 + 0.024 + 0.1 + 1.0)  # compute 2 x 1.0 + reduction (a: 1, b: 2)
+    # compute 2 x 1.0 on a/0, alone in its region, then its chain: two dependent crossings
+    # (b's own ring runs meanwhile: it computed one slot)
+    assert pace == pytest.approx(2.0 + 2 * (0.010 + 0.001 + 0.5))
     # it rejoins at the first step boundary after its repair (60 s), once it has the state
     fault_t = next(e.t for e in result.events if e.kind == "fault")
     assert fault_t + 60.0 <= rejoin.t <= fault_t + 60.0 + pace + 0.5

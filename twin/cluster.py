@@ -52,7 +52,7 @@ class Cluster:
         self.layout_version = 0
         self.spikes: dict[int, Spike] = {}               # fault id -> spike, while it matters
         # kept up to date by update()
-        self.groups: Counter[float] = Counter()          # compute s -> up nodes holding slots
+        self.groups: Counter[tuple[str, float]] = Counter()  # (region, compute s) -> up nodes holding slots
         self.holders_per_region: Counter[str] = Counter()
         self.live_per_region: Counter[str] = Counter()   # up nodes with state (train or parked)
         self.held_slots = 0                              # slots on up nodes
@@ -105,7 +105,7 @@ class Cluster:
 
     def overloaded(self) -> bool:
         """Some node carries more than the healthy layout's heaviest load."""
-        heaviest = max(self.groups, default=0.0) / self.slot_compute_s
+        heaviest = max((compute for _, compute in self.groups), default=0.0) / self.slot_compute_s
         return heaviest > self.healthy_max_load + 1e-12
 
     # ------------------------------------------------------------------ changing
@@ -115,7 +115,7 @@ class Cluster:
                 (self.orphans.add if sign > 0 else self.orphans.discard)(n.index)
             return
         if n.role == "train" and n.slots > 0:
-            _count(self.groups, n.slots * self.slot_compute_s / n.speed, sign)
+            _count(self.groups, (n.region, n.slots * self.slot_compute_s / n.speed), sign)
             _count(self.holders_per_region, n.region, sign)
             self.held_slots += sign * n.slots
         if n.role in ("train", "parked"):

@@ -2,10 +2,9 @@
 as it is now (or for a trial layout), from TwinParams, the Topology and the Cluster.
 
 `StepCost.shape` builds the `StepShape` (twin/steps.py) a segment of steps is drawn from: the
-nodes' compute per group, the hierarchical reduction (twin/topology.py) scaled to the
-calibration's reference membership, the per-step overhead, and the delay of every
-unmitigated latency spike. Reads state,
-never changes it (the caches aside).
+nodes' compute per group (region and load), each group with its region's chain of the
+hierarchical reduction (twin/topology.py) scaled to the calibration's reference membership, the per-step overhead, and the delay of every
+unmitigated latency spike. Reads state, never changes it (the caches aside).
 """
 from __future__ import annotations
 
@@ -65,7 +64,7 @@ class StepCost:
             groups = Counter()
             members = [n for n in nodes if slots[n.name] > 0]
             for n in members:
-                groups[slots[n.name] * p.slot_compute_s / n.speed] += 1
+                groups[(n.region, slots[n.name] * p.slot_compute_s / n.speed)] += 1
             member_names = {n.name for n in members}
             per_region = c.active_per_region(members)
 
@@ -73,16 +72,20 @@ class StepCost:
                 return name in member_names
         red = self.topology.reduction(per_region)
         ref = self.reference_reduction
-        latency = red.latency_s * (p.reduce_latency_s / ref.latency_s if ref.latency_s > 0 else 1.0)
-        per_byte = red.s_per_byte * ((1.0 / (ref.s_per_byte * 1e9)) / p.reduce_gbyte_s if ref.s_per_byte > 0 else 1.0)
+        lat_scale = p.reduce_latency_s / ref.latency_s if ref.latency_s > 0 else 1.0
+        byte_scale = (1.0 / (ref.s_per_byte * 1e9)) / p.reduce_gbyte_s if ref.s_per_byte > 0 else 1.0
+        # each region's slowest node starts the reduction's chains from its region: a group's
+        # offset is its region's chain (Topology.chains_s), scaled as the calibration scales
+        # the reduction
+        chains = self.topology.reduction_chains(per_region)
+        offset = {r: zero * lat_scale + (full - zero) * byte_scale for r, (zero, full) in chains.items()}
         spike = 0.0
         if with_spikes:
             for sp in c.spikes.values():
                 if sp.active and not sp.moves and ("/" not in sp.target or is_member(sp.target)):
                     spike = max(spike, self.spike_delay(sp, per_region))
-        fixed = latency + self.scenario.workload.gradient_bytes * per_byte + p.step_overhead_s + spike
-        return StepShape(tuple(sorted((n, base) for base, n in groups.items())), p.compute_jitter,
-                         fixed, latency, red.jitter_s)
+        return StepShape(tuple(sorted((n, base, offset.get(region, 0.0)) for (region, base), n in groups.items())),
+                         p.compute_jitter, p.step_overhead_s + spike, red.latency_s * lat_scale, red.jitter_s)
 
     def spike_delay(self, spike: Spike, per_region: dict[str, int], step: int | None = None) -> float:
         """A spike's delay to one step's collective (Topology.spike_delay_s): at its mean, or,

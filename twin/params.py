@@ -12,24 +12,19 @@ Calibrated primitives (name: what it is; where the scenario value comes from):
   step_overhead_s         fixed per-step cost beyond compute and reduction, s (0)
   reduce_latency_s        latency term of one all-reduce over the full membership, s (topology)
   reduce_gbyte_s          effective all-reduce bandwidth: gradient bytes / bandwidth term, GB/s (topology)
-  detect_kill_s           mean time to detect a killed node (`hardware_fault`), s. The runtime sees a
-                          killed worker's death at once, as its control connection's EOF / the
-                          process's exit, so a calibration measures tens of ms. Uncalibrated, the
-                          scenario describes a real cluster, where a crashed machine sends no FIN and
-                          is found by the heartbeat timeout: detect_timeout_s - heartbeat_s / 2 (the
-                          timeout runs from the last heartbeat, a uniform phase before the death)
-  detect_rack_s           mean time to detect a rack loss (`partial_cluster_loss`: several nodes of one
-                          region killed at once), s; the runtime sees it like a kill, per worker, as
-                          connection loss (default: detect_kill_s, calibrated or not)
-  detect_hang_s           mean time to detect a hung node (alive but silent), s: only the heartbeat
-                          timeout finds it (detect_timeout_s - heartbeat_s / 2). No scenario fault class
-                          hangs a node (the runtime's SIGSTOP is a test and calibration injection), so
-                          the model does not read it; kept for the record and for reform_s's derivation
+  detect_kill_s           mean time to detect a node that crashed at a random moment (a drawn
+                          `hardware_fault`), s: a crashed machine sends nothing and is found by the
+                          heartbeat timeout, detect_timeout_s - heartbeat_s / 2 (the timeout runs
+                          from its last message, a uniform phase before the crash). A calibration
+                          may give it (a process death on a live machine, seen as connection loss)
+  detect_rack_s           the same for a rack loss (`partial_cluster_loss`), s (default: detect_kill_s)
   reform_s                survivors re-form the group (new generation, fresh process group), s
-                          (0.1: ARCHITECTURE.md's measured 70-130 ms with gloo)
+                          (0.1: ARCHITECTURE.md's measured 70-130 ms with gloo; `keel calibrate`
+                          measures it in emulated runs of the scenario)
   state_transfer_gbyte_s  peer-to-peer state copy between two nodes, GB/s (first region's
                           node bandwidth; the topology scales it for other routes)
-  spare_takeover_s        a hot spare joins and takes over slots (beyond the state copy), s (0)
+  spare_takeover_s        a hot spare joins and takes over slots (beyond the state copy), s (0;
+                          `keel calibrate` measures it)
   ckpt_snapshot_gbyte_s   per-node device-to-host snapshot of async checkpoints, GB/s (checkpoint.snapshot_gbyte_s)
   ckpt_write_gbyte_s      per-node checkpoint write, GB/s (checkpoint.write_gbyte_s)
   ckpt_read_gbyte_s       per-node checkpoint read, GB/s (checkpoint.read_gbyte_s)
@@ -69,7 +64,6 @@ class TwinParams:
     reduce_latency_s: float
     reduce_gbyte_s: float
     detect_kill_s: float
-    detect_hang_s: float
     reform_s: float
     state_transfer_gbyte_s: float
     spare_takeover_s: float
@@ -103,7 +97,6 @@ class TwinParams:
             "reduce_latency_s": reduction.latency_s,
             "reduce_gbyte_s": (1.0 / reduction.s_per_byte / 1e9) if reduction.s_per_byte > 0 else math.inf,
             "detect_kill_s": detect,
-            "detect_hang_s": detect,
             "reform_s": DEFAULT_REFORM_S,
             "state_transfer_gbyte_s": topology.reference_transfer_gbyte_s(),
             "spare_takeover_s": 0.0,

@@ -1,13 +1,17 @@
-"""The step-time model, vectorised: the slowest node's compute plus the gradient reduction.
+"""The step-time model, vectorised: each group's slowest node plus its reduction chain.
 
 A node holding `k` slots at relative speed `v` computes for `k * slot_compute_s / v * (1 + cv Z)`
-(Z standard normal, cv = `workload.compute_jitter`), independently per node and step. The step
-waits for the slowest node, so per group of `n` identical nodes one uniform draw U per step
-gives that group's maximum exactly, by inverting the maximum's CDF: Z_max = Phi^-1(U^(1/n)).
-Cost per step is one draw per *group* (nodes with the same slots and speed), not per node.
+(Z standard normal, cv = `workload.compute_jitter`), independently per node and step. Per group
+of `n` identical nodes (one region, the same slots and speed) one uniform draw U per step gives
+the group's maximum exactly, by inverting the maximum's CDF: Z_max = Phi^-1(U^(1/n)). Cost per
+step is one draw per *group*, not per node.
 
-Step time = max over groups + reduction latency (+ N(0, jitter) from the links) + gradient
-bytes x seconds per byte + per-step overhead + the delay of any unmitigated latency spike.
+The reduction starts from each region as its slowest node gets there, and no phase waits for
+the others (twin/topology.py `chains_s`): a group's `offset` is the reduction's longest chain
+from its region, and
+
+Step time = max over groups of (group maximum + offset) (+ N(0, jitter) from the links)
+            + per-step overhead + the delay of any unmitigated latency spike.
 
 This module owns the distributions only (`StepShape.draw`, `StepShape.expected_s`, the normal
 maxima); twin/cost.py builds a `StepShape` from the cluster's state.
@@ -86,23 +90,23 @@ class NormalPool:
 @dataclass(frozen=True, slots=True)
 class StepShape:
     """What one step costs under the cluster's current state."""
-    groups: tuple[tuple[int, float], ...]  # (nodes, fault-free compute s) per group
+    groups: tuple[tuple[int, float, float], ...]  # (nodes, fault-free compute s, reduction chain s) per group
     compute_jitter: float
-    fixed_s: float          # reduction (latency + bytes) + overhead + spike delay
+    fixed_s: float          # overhead + spike delay
     latency_s: float        # the reduction's latency term (the link noise never undercuts it)
     link_jitter_s: float    # standard deviation of the per-step link noise
 
     def draw(self, pool: "NormalPool", count: int) -> np.ndarray:
         """`count` step times, one draw per group and step (plus one for the links)."""
         slowest = None
-        for n, base in self.groups:
+        for n, base, offset in self.groups:
             if self.compute_jitter > 0:
                 z = pool.max_of(n, count)
-                group = base * np.maximum(1.0 + self.compute_jitter * z, 0.0)
+                group = base * np.maximum(1.0 + self.compute_jitter * z, 0.0) + offset
             else:
-                group = np.full(count, base)
+                group = np.full(count, base + offset)
             slowest = group if slowest is None else np.maximum(slowest, group)
-        out = slowest + self.fixed_s
+        out = (slowest if slowest is not None else np.zeros(count)) + self.fixed_s
         if self.link_jitter_s > 0:
             out += np.maximum(self.link_jitter_s * pool.max_of(1, count), -self.latency_s)
         return out
@@ -110,7 +114,7 @@ class StepShape:
     @property
     def holders(self) -> int:
         """Nodes holding slots."""
-        return sum(n for n, _ in self.groups)
+        return sum(n for n, _, _ in self.groups)
 
     def expected_s(self) -> float:
         return expected_max(self.groups, self.compute_jitter) + self.fixed_s
@@ -119,19 +123,20 @@ class StepShape:
 _ERFC = np.frompyfunc(math.erfc, 1, 1)
 
 
-def expected_max(groups: tuple[tuple[int, float], ...], cv: float, points: int = 4001) -> float:
-    """E[max over groups of the slowest node], by integrating 1 - CDF of the maximum."""
+def expected_max(groups: tuple[tuple[int, float, float], ...], cv: float, points: int = 4001) -> float:
+    """E[max over groups of (the group's slowest node + its offset)], by integrating 1 - CDF of
+    the maximum."""
     if not groups:
         return 0.0
-    top = max(base for _, base in groups)
+    top = max(base + offset for _, base, offset in groups)
     if cv == 0:
         return top
-    lo = max(0.0, top * (1 - 8 * cv))
-    hi = top * (1 + 9 * cv)
+    lo = max(0.0, max(offset + base * (1 - 8 * cv) for _, base, offset in groups))  # the max is above every group's floor
+    hi = max(offset + base * (1 + 9 * cv) for _, base, offset in groups)
     y = np.linspace(lo, hi, points)
     log_cdf = np.zeros_like(y)
-    for n, base in groups:
-        z = (y - base) / (cv * base)
+    for n, base, offset in groups:
+        z = (y - offset - base) / (cv * base)
         phi = 0.5 * _ERFC(-z / math.sqrt(2)).astype(float)
         log_cdf += n * np.log(np.maximum(phi, 1e-300))
     survival = 1.0 - np.exp(log_cdf)

@@ -16,11 +16,13 @@ The gradient reduction is hierarchical over the *active* training nodes (a membe
      (bottleneck bandwidth, shared by the ring edges routed over the same link, and never more
      than the region's nodes can inject together);
   3. all-gather inside every region: n_r - 1 phases again.
-Regions run phases 1 and 3 in parallel, so those cost the slowest region's; every phase of 2 is
-gated by its slowest ring edge. The cost is affine in the bytes: latency_s + bytes * s_per_byte.
+No phase waits for the previous one to end everywhere: a node sends its next piece once it has
+received the one before, so the time is the longest chain of dependent messages
+(`collective_s`), as the runtime's emulated reduction (runtime/emulation/hier.py) runs it
+message by message. It is kept affine in the bytes: latency_s + bytes * s_per_byte.
 
-This module owns the graph and its routed costs (reduction, spike delay, transfer bandwidth);
-twin/cost.py scales them to the calibration and the cluster's membership.
+This module owns the graph and its routed costs (reduction, spike delay); twin/cost.py scales
+them to the calibration and the cluster's membership and prices state copies.
 """
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ class Topology:
         self._ring_cache: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._cost_cache: dict[tuple[tuple[str, int], ...], ReductionCost] = {}
         self._spike_cache: dict[tuple, float] = {}
+        self._chain_cache: dict[tuple, dict[str, tuple[float, float]]] = {}
 
     # -- routing over the links between regions
     def route(self, a: str, b: str) -> tuple[float, tuple[frozenset, ...], float]:
@@ -131,9 +134,23 @@ class Topology:
           are done.
         A spike adds to every message its target sends, so it delays the chain once per
         step the chain crosses it."""
+        chains = self.chains_s(active, nbytes, spike)
+        return max(chains.values(), default=0.0)
+
+    def chains_s(self, active: dict[str, int], nbytes: float,
+                 spike: tuple[str, float] | None = None) -> dict[str, float]:
+        """Per active region r: the longest chain of `collective_s` that starts in r, i.e. the
+        collective's end if r's nodes start at 0 and every other region's are already there
+        (-inf). The collective is max-plus linear in its start times, so a step whose regions
+        start their reduction at their own slowest node's end t_r ends at max_r(t_r + chain_r):
+        the twin's step model (twin/cost.py) takes each region's compute with its own chain.
+        Empty where at most one node is active."""
         shape = {r: n for r, n in active.items() if n > 0}
         if sum(shape.values()) <= 1:
-            return 0.0
+            return {}
+        return {start: self._chain(shape, nbytes, spike, start) for start in shape}
+
+    def _chain(self, shape: dict[str, int], nbytes: float, spike: tuple[str, float] | None, start: str) -> float:
         node_spike = region_spike = None
         if spike is not None:
             target, seconds = spike
@@ -152,7 +169,7 @@ class Topology:
             extra = node_spike[1] if node_spike is not None and node_spike[0] == r else 0.0
             return (n - 1) * hop + extra
         for r in shape:
-            clock[r] = intra(r)
+            clock[r] = intra(r) if r == start else -math.inf
         if len(shape) > 1:
             ring = self.region_ring(list(shape))
             R = len(ring)
@@ -178,7 +195,19 @@ class Topology:
                 for a in ring:
                     b = nxt[a]
                     clock[b] = max(clock[b], sent[a] + cost[a])
-        return max(clock[r] + intra(r) for r in shape)
+        return max(clock[r] + intra(r) for r in shape if clock[r] > -math.inf)
+
+    def reduction_chains(self, active_per_region: dict[str, int]) -> dict[str, tuple[float, float]]:
+        """Per active region: (its chain's latency part, its chain with the scenario's gradient
+        bytes) in seconds (`chains_s` at 0 bytes and at workload.gradient_bytes), cached per
+        membership shape."""
+        shape = tuple((r, n) for r in self.region_names if (n := active_per_region.get(r, 0)) > 0)
+        got = self._chain_cache.get(shape)
+        if got is None:
+            nbytes = float(self.scenario.workload.gradient_bytes)
+            zero, full = self.chains_s(dict(shape), 0.0), self.chains_s(dict(shape), nbytes)
+            got = self._chain_cache[shape] = {r: (zero[r], full[r]) for r in full}
+        return got
 
     # -- latency spikes
     def spike_delay_s(self, target: str, spike_s: float, active_per_region: dict[str, int]) -> float:
@@ -197,24 +226,6 @@ class Topology:
         return got
 
     # -- moving state between nodes
-    def transfer_gbyte_s(self, receiver: str, peer_regions: Iterable[str]) -> float:
-        """Bandwidth (GB/s) of a state copy to `receiver` from the nearest live peer (in one of
-        `peer_regions`): inside the region at the node bandwidth, else over the routed path's
-        bottleneck."""
-        region = receiver.split("/", 1)[0]
-        peers = set(peer_regions)
-        own = self._regions[region].intra_gbit_s * GBIT
-        if region in peers or not peers:
-            return own / 1e9
-        best = None
-        for peer_region in peers:
-            latency, links, _ = self.route(region, peer_region)
-            bw = min([own, self._regions[peer_region].intra_gbit_s * GBIT]
-                     + [self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] for l in links])
-            if best is None or (latency, -bw) < best[0]:
-                best = ((latency, -bw), bw)
-        return best[1] / 1e9
-
     def reference_transfer_gbyte_s(self) -> float:
         """The transfer bandwidth the calibration's `state_transfer_gbyte_s` corresponds to: a
         copy between two nodes of the first region."""
