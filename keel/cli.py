@@ -17,7 +17,7 @@ from keel.paths import DEFAULT_SCENARIO
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own errors: exit 2 with one line
-        self.exit(2, f"keel: {message} (see keel {self.prog.split()[-1] if ' ' in self.prog else ''} --help)\n")
+        self.exit(2, f"keel: {message} (see {self.prog} --help)\n")
 
 
 def _handler(target: str) -> Callable[[argparse.Namespace], int]:
@@ -28,10 +28,31 @@ def _handler(target: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), or "unknown" outside one."""
+    import importlib.metadata as md
+    try:
+        return md.version("keel")
+    except md.PackageNotFoundError:
+        return "unknown"
+
+
+def _seed(text: str) -> int:
+    """A seed: a non-negative integer (numpy's generators take no other)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand and its flags. Long on purpose: one flat declaration per subcommand,
     read top to bottom like the CLI contract in ARCHITECTURE.md; no logic lives here."""
     p = _Parser(prog="keel", description="Digital twin, planner and resilient runtime for multi-region training.")
+    p.add_argument("--version", action="version", version=f"keel {_version()}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def scenario_args(sp: argparse.ArgumentParser, required: bool = True) -> None:
@@ -43,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("simulate", help="predict a run with the twin")
     scenario_args(sp)
     sp.add_argument("--replicas", type=int, default=1, help="seeded Monte-Carlo replicas")
-    sp.add_argument("--seed", type=int, default=None, help="seed (default: run.seed)")
+    sp.add_argument("--seed", type=_seed, default=None, help="seed, a non-negative integer (default: run.seed)")
     sp.add_argument("--calibration", default=None, help="calibration.json from keel calibrate")
     sp.add_argument("--out", default=None, help="output directory (events.jsonl, summary.json)")
     sp.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
@@ -132,7 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the subcommand whose flags these are not
+        words = [w for w in (args.command, getattr(args, "data_command", None), getattr(args, "ckpt_command", None)) if w]
+        _Parser(prog=" ".join(["keel", *words])).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if getattr(args, "scenario", None) is not None:
             # Every command that takes a scenario gets it checked here first, so bad input

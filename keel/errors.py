@@ -12,8 +12,13 @@ class RunFailed(RuntimeError):
 def read_input(path, what: str, error: type[InputError] = InputError) -> str:
     """The text of an input file; a missing or unreadable one is `error`, naming the file."""
     try:
-        return path.read_text()
+        return path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise error(f"{path}: no such {what} file") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory; expected a {what} file") from None
     except OSError as e:
         raise error(f"{path}: cannot read the {what} file ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x}); "
+                    f"expected a {what} file in UTF-8") from None

@@ -6,7 +6,7 @@
   of that fault (`detail.fault_id`); its cost is its length minus the fault-free time of the
   net steps it advanced, so steps that had to be recomputed count as lost work.
 - `lost_steps`: committed steps the fault threw away (recomputed after a restart).
-- `goodput`: steps x fault-free step time / wall time.
+- `goodput`: steps x fault-free step time / wall time, at most 1 (`goodput`).
 - `restarts`: the number of `restart` events.
 
 The fault-free step time comes from the caller, else from `detail.step_time_s` of the
@@ -130,6 +130,15 @@ def since_fault_s(episode: dict[str, Any], kind: str) -> float | None:
     return None if e is None else e.t - episode["t"]
 
 
+def goodput(steps: int, step_time_s: float, wall_s: float) -> float:
+    """The share of the wall time the steps would have taken at the fault-free pace:
+    steps x step_time_s / wall_s, at most 1 (a stretch of steps quicker than the pace is not
+    more than useful work), 0 for no wall time."""
+    if wall_s <= 0:
+        return 0.0
+    return min(1.0, steps * step_time_s / wall_s)
+
+
 def summarize(events: Sequence[Event], step_time_s: float | None = None) -> dict[str, Any]:
     """The metrics of one run. Both `keel simulate` and `keel run` write this to summary.json."""
     if not events:
@@ -166,7 +175,7 @@ def summarize(events: Sequence[Event], step_time_s: float | None = None) -> dict
         "steps": steps,
         "wall_s": wall,
         "step_time_s": step,
-        "goodput": (steps * step / wall) if wall > 0 else 0.0,
+        "goodput": goodput(steps, step, wall),
         "restarts": sum(1 for e in events if e.kind == "restart"),
         "faults": faults,
     }

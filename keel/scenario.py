@@ -469,6 +469,9 @@ def _check(s: Scenario) -> None:
             fail(key, f"expected a {'non-negative' if allow_zero else 'positive'} value{_unit(key.rsplit('.', 1)[-1])}, got {value!r}")
 
     positive(s.run.steps, "run.steps")
+    positive(s.run.seed, "run.seed", True)
+    if not s.run.name.strip():
+        fail("run.name", "expected a non-empty name (it names the run's outputs), got an empty string")
     w = s.workload
     positive(w.step_compute_s, "workload.step_compute_s")
     positive(w.gradient_bytes, "workload.gradient_bytes", True)

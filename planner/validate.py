@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 from keel import calibration as K
 from keel import scenario as S
 from keel.errors import InputError
-from keel.metrics import fault_episodes, since_fault_s
+from keel.metrics import fault_episodes, goodput, since_fault_s
 from keel.rundir import read_events, write_json
 from planner import scenarios as PS
 from planner.validate_compare import compare, table  # noqa: F401 (table: planner/cli.py)
@@ -110,7 +110,7 @@ def training_window(summary: Mapping[str, Any], events: Sequence[Any]) -> dict[s
     step = float(summary["step_time_s"])
     launch = max(0.0, (first - step) - start) if first is not None else 0.0
     wall = float(summary["wall_s"]) - launch
-    return {"wall_s": wall, "goodput": summary["steps"] * step / wall if wall > 0 else 0.0,
+    return {"wall_s": wall, "goodput": goodput(summary["steps"], step, wall),
             "launch_s": launch, "wall_with_launch_s": float(summary["wall_s"]),
             "goodput_with_launch": float(summary["goodput"])}
 

@@ -238,3 +238,18 @@ def test_topology_edits_become_set_overrides():
         "regions.1.nodes=3", 'policy.kind="checkpoint_restart"', "faults.data_shard_skew.per_day=2"]
     edited = sc.load(LOCAL, data.edit_overrides(base, values))
     assert edited.regions[1].nodes == 3 and edited.policy.kind == "checkpoint_restart"
+
+
+def test_error_table_judges_each_fault_by_its_own_tolerance_and_shows_the_emulation():
+    comparison = {"tolerances": {"downtime_rel_tol": 0.10, "fault_rel_tol": 0.15, "wall_rel_tol": 0.05},
+                  "faults": [{"fault_id": 0, "class": "hardware_fault", "target": "a/1", "downtime_rel_err": 0.12,
+                              "predicted": {"downtime_s": 11.2}, "observed": {"downtime_s": 10.0}}],
+                  "downtime_median_rel_err": 0.12,
+                  "emulation": [{"overruns": 30, "reports": 1000, "max_overrun_fraction": 0.02},
+                                {"overruns": 0, "reports": 1000, "max_overrun_fraction": 0.02}],
+                  "pass": {"downtime": False, "each_fault": True, "wall": True, "valid": False, "all": False}}
+    by = {r["row"]: r for r in data.comparison_rows(comparison)}
+    assert by["fault 0"]["tolerance"] == 0.15 and by["fault 0"]["pass"] is True
+    assert by["downtime (median)"]["tolerance"] == 0.10 and by["downtime (median)"]["pass"] is False
+    assert by["emulation"]["rel_err"] == pytest.approx(0.015) and by["emulation"]["pass"] is False
+    assert "30 of 2000" in by["emulation"]["error of"]

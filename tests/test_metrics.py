@@ -106,3 +106,13 @@ def test_pace_estimators():
     assert metrics.median_full_membership_interval_s(full, 7) == pytest.approx(0.1)   # 5 at 7, past the first 2
     assert metrics.median_full_membership_interval_s(full[:3], 7) == pytest.approx(0.3)  # too few at 7: all 3
     assert metrics.median_full_membership_interval_s([], 7) is None
+
+
+def test_goodput_is_at_most_one():
+    """Steps quicker than the declared fault-free pace are not more than useful work: a
+    fault-free run whose steps came in under the pace has goodput 1, never above."""
+    ev = [Event(0.0, 0, "run_start")] + [Event(0.9 * k, k, "step") for k in range(1, 11)] \
+        + [Event(9.0, 10, "run_end")]
+    assert summarize(ev, step_time_s=1.0)["goodput"] == 1.0
+    assert summarize(ev, step_time_s=0.45)["goodput"] == pytest.approx(0.5)
+    assert metrics.goodput(10, 1.0, 0.0) == 0.0 and metrics.goodput(4, 1.0, 8.0) == 0.5

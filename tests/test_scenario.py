@@ -115,8 +115,42 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path):
     assert bad_set.returncode == 2 and "expected dotted.key=value" in bad_set.stderr
 
 
+def test_inputs_that_used_to_end_in_tracebacks_exit_2_with_one_line(tmp_path, capsys):
+    """A scenario file that is not UTF-8 (UnicodeDecodeError), a negative seed (numpy's
+    ValueError), an empty run name, a directory given as the scenario: exit 2 and one line
+    naming the input, never a traceback."""
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(MINIMAL.encode() + b'[run]\nname = "r\xe9gion"\n')
+    local = str(SCENARIOS / "local-8.toml")
+    cases = [
+        (["simulate", str(latin)], f"{latin}: not UTF-8 text (byte "),
+        (["simulate", local, "--seed", "-1"], "argument --seed: expected a non-negative integer, got -1"),
+        (["simulate", local, "--set", "run.seed=-1"], "key 'run.seed': expected a non-negative value, got -1"),
+        (["simulate", local, "--set", "run.name="], "key 'run.name': expected a non-empty name"),
+        (["simulate", str(tmp_path)], f"{tmp_path}: is a directory; expected a scenario file"),
+    ]
+    for argv, message in cases:
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2, (argv, err)
+        assert message in err and "Traceback" not in err and err.count("\n") == 1, (argv, err)
+
+
 def test_keel_imports_nothing_heavy():
     code = ("import sys, keel.cli, keel.scenario, keel.events, keel.metrics; "
             "print(sorted(m for m in ('torch','simpy','streamlit','networkx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_version_and_a_bad_flag_name_the_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("keel ")
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", str(SCENARIOS / "local-8.toml"), "--bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--bogus" in err and err.rstrip().endswith("(see keel simulate --help)")
