@@ -141,3 +141,17 @@ def test_every_worker_message_the_protocol_declares_has_a_handler(kind):
     from runtime.coordinator.core import Coordinator
     assert kind in protocol.__doc__
     assert kind in Coordinator.HANDLERS
+
+
+def test_a_spike_that_made_no_straggler_ends_with_the_spike():
+    """As the twin ends it (recover_end when the spike is over), so both logs' episodes, and
+    so the cost of the spike, span the same steps."""
+    book = EpisodeBook()
+    quiet = book.new("network_jitter", "ap", "backpressure_reslot", t=10.0)
+    quiet.until = 30.0
+    assert not quiet.due(1, 5, now=29.9) and quiet.due(1, 5, now=30.0)
+    assert [ep.fault_id for ep in book.due(1, 5, now=31.0)] == [0]
+    loud = book.new("network_jitter", "a/0", "backpressure_reslot", t=10.0)
+    loud.until = 30.0
+    loud.detect(12.0)  # a straggler: its episode ends by the straggler rule, not the clock
+    assert not loud.due(1, 5, now=40.0)

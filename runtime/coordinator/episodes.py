@@ -34,6 +34,7 @@ class Episode:
     parked: bool = False          # a straggler of this episode stands by (its spike is not over)
     ok: int = 0                   # healthy steps in a row of a detected, unmoved straggler
     member_lost: bool = False     # a member of the generation died (not only a spare)
+    until: float | None = None    # a latency spike: when it is over (run seconds)
 
     @property
     def detected(self) -> bool:
@@ -68,8 +69,12 @@ class Episode:
             self.t_recover = t
         return True
 
-    def due(self, gen: int, step: int | None) -> bool:
-        """Its recovery is complete at generation `gen` (or once `step` is committed)."""
+    def due(self, gen: int, step: int | None, now: float | None = None) -> bool:
+        """Its recovery is complete at generation `gen` (or once `step` is committed); a
+        latency spike that never made a straggler ends with the spike (at `now` past `until`),
+        as the twin ends it."""
+        if self.stage == Stage.STRUCK and self.until is not None and now is not None:
+            return now >= self.until
         if not self.recovering:
             return False
         return ((self.end_gen is not None and gen >= self.end_gen and not self.parked)
@@ -115,5 +120,5 @@ class EpisodeBook:
         """A node fault has struck and is not over (a kill due now waits for the next generation)."""
         return any(not ep.ended and ep.nodes and ep.cls != "network_jitter" for ep in self.episodes.values())
 
-    def due(self, gen: int, step: int | None) -> list[Episode]:
-        return [ep for ep in self.episodes.values() if ep.due(gen, step)]
+    def due(self, gen: int, step: int | None, now: float | None = None) -> list[Episode]:
+        return [ep for ep in self.episodes.values() if ep.due(gen, step, now)]

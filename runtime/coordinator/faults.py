@@ -71,6 +71,7 @@ class FaultsMixin:
             targets = [n for n in self.nodes if (n == p.target or self.region_of[n] == p.target) and self._live(n)]
             ep = self._new_episode(p.cls, p.target, nodes=targets, **p.params)
             ep.nodes = targets
+            ep.until = ep.t + float(p.params["duration_s"])
             scope = "node" if "/" in p.target else "region"
             for n in targets:
                 self.workers[n].chan.send({"type": "jitter", "index": p.index, "scope": scope, **p.params})

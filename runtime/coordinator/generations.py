@@ -239,7 +239,7 @@ class GenerationsMixin:
 
     def _end_due_episodes(self, k: int | None) -> bool:
         """End every episode whose recovery is complete at this generation (or at step k)."""
-        due = self.book.due(self.gen, k)
+        due = self.book.due(self.gen, k, self.now())
         for ep in due:
             self._end_episode(ep)
         return bool(due)
