@@ -459,6 +459,8 @@ class Worker:
     def _nonfinite(self, g: int, step: int, suspects: list[int], should_abort) -> None:
         """No non-finite value reaches the weights: report, wait for the coordinator's
         quarantine decision, then the caller redoes the step."""
+        if self.emu is not None:  # emulated: the reduction's flag is known at its emulated end, not before
+            self.emu.wait_until(self.emu.c, self.abort_event)
         self.at = f"gen {g} step {step + 1}: non-finite, waiting for the quarantine decision"
         self.chan.send({"type": "nonfinite", "gen": g, "step": step, "suspects": suspects})
         deferred = []
