@@ -28,10 +28,12 @@ from typing import Any
 
 import torch
 
+from runtime.emulation.worker import EmulatedNodeMixin
 from runtime.groups import PG_TIMEOUT, GroupFactory
 from runtime.inject import CommGate, kill_self, poisoned_at
 from runtime.protocol import Channel, parse_address
 from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter, broadcast
+from runtime.worker_checkpoint import CheckpointMixin
 
 BOUND_HEADROOM = 256.0  # slot values may exceed the first moment this much and still take one round
 LOSS_BOUND = 2.0 ** 20
@@ -60,7 +62,7 @@ def _pick_device(device: str, backend: str, local_index: int) -> str:
     return device
 
 
-class Worker:
+class Worker(CheckpointMixin, EmulatedNodeMixin):
     def __init__(self, address: str, node: str | None, rank_hint: int | None):
         t_start = time.perf_counter()
         host, port = parse_address(address)
@@ -397,48 +399,6 @@ class Worker:
         self.chan.send({"type": "done", "gen": g, "committed": self.committed,
                         "sha256": weights_sha256(self.model)})
 
-    def _warm_up(self) -> None:
-        """Emulated: one forward and backward pass before joining, so the first step's compute
-        is not the small model's lazy set-up (a cost of the test bed, not of the cluster). The
-        RNG and the gradients are left as they were."""
-        from runtime.model import slot_loss
-        with torch.random.fork_rng(devices=[]):
-            b = self.loader.batch(0, 0)
-            slot_loss(self.model, b.x.to(self.device), b.y.to(self.device), b.w.to(self.device)).backward()
-        self.model.zero_grad(set_to_none=True)
-
-    def _ring_ranks(self) -> tuple[tuple[int, ...], ...]:
-        """This generation's ranks grouped by region, in ring order (keel.hardware.ring_members)."""
-        if self._ring is None:
-            from keel import hardware
-            index = {n: i for i, n in enumerate(self.members)}
-            self._ring = tuple(tuple(index[n] for n in grp) for grp in hardware.ring_members(self.scenario, self.members))
-        return self._ring
-
-    def _connect(self, pg, rank: int, should_abort) -> None:
-        """Emulated: gloo connects a pair lazily, on its first message; the reduction's pairs are
-        connected here, with the group (real formation work), instead of inside the first step."""
-        from runtime.emulation import hier
-        for k, (length, dtype) in enumerate([(self.layout.total + 2, torch.int64), (self.layout.segments + 1, torch.float32)]):
-            hier.run_plan(pg, rank, hier.plan_for(self._ring_ranks(), length), torch.zeros(length, dtype=dtype),
-                          "sum", 0.0, lambda step, msg, t: 0.0, should_abort, self.waiter, tag_base=(8 + k) * 4096)
-
-    def _emulated_collective(self, pg, t: torch.Tensor, op: str, should_abort) -> torch.Tensor:
-        """One all-reduce of the emulated cluster: the hierarchical plan over this generation's
-        regions (keel.hardware.ring_members), every message priced by the link emulator. A
-        gradient element stands for workload.gradient_bytes / its vector's length; the short
-        maxima of a two-round step for their own 4 bytes."""
-        from runtime.emulation import hier
-        emu = self.emu
-        pricer = emu.pricer
-        pricer.bytes_per_element = (self.scenario.workload.gradient_bytes / self.layout.total if op == "sum"
-                                    else float(t.element_size()))
-        pricer.key = f"g{self.gen}/s{self.committed}/r{self._round}"
-        emu.c = hier.run_plan(pg, self.rank, hier.plan_for(self._ring_ranks(), t.numel()), t, op, emu.c, pricer,
-                              should_abort, self.waiter, tag_base=(self._round % 8) * 4096)
-        self._round += 1
-        return t
-
     def _bounds(self) -> list[float] | None:
         """A priori bounds on this step's slot values, per segment, from the replicated AdamW
         state (identical on every worker, restored by a checkpoint, sent to a spare): 256 x the
@@ -479,76 +439,6 @@ class Worker:
         finally:
             for msg in deferred:
                 self.inbox.put(msg)
-
-    # ------------------------------------------------------------------------- checkpoints
-
-    def _checkpoint_args(self, g: int) -> dict[str, Any]:
-        from runtime import checkpoint as ck
-        sc = self.scenario
-        topology = {"generation": g, "members": self.members, "slot_map": self.slot_map,
-                    "slots": sc.slot_count,
-                    "regions": [{"name": r.name, "nodes": r.nodes} for r in sc.regions]}
-        return dict(step=self.committed, model=self.model, optimizer=self.optimizer,
-                    rng=ck.capture_rng(), data_state=self.loader.state(self.committed, self.quarantine),
-                    config_hash=self.run_info["config_hash"], config=self.run_info["scenario"],
-                    topology=topology)
-
-    def _checkpoint(self, g: int) -> None:
-        """The lowest rank writes every `checkpoint.interval_steps`: async mode snapshots at the
-        step boundary (the measured stall) and writes in the background."""
-        from runtime import checkpoint as ck
-        sc = self.scenario
-        step = self.committed
-        run_dir = os.path.join(self.run_info["out_dir"], "checkpoints")
-        self.chan.send({"type": "ckpt_start", "step": step, "mode": sc.checkpoint.mode})
-        t0 = time.perf_counter()
-        emu = self.emu
-        c0 = emu.c if emu is not None else 0.0
-        if sc.checkpoint.mode == "async":
-            if self.checkpointer is None:
-                self.checkpointer = ck.AsyncCheckpointer(run_dir, keep=sc.checkpoint.keep, on_done=self._ckpt_done,
-                                                         before_commit=self._emulated_write if emu else None)
-            stall = self.checkpointer.snapshot_and_submit(**self._checkpoint_args(g))
-            if emu is not None:  # after the previous write, the snapshot of this node's share
-                emu.c = max(emu.c, self._write_end.get("last", 0.0))
-                emu.c += emu.storage_s(len(self.members), sc.checkpoint.snapshot_gbyte_s)
-                write_s = emu.storage_s(len(self.members), sc.checkpoint.write_gbyte_s)
-                self._write_end[step] = self._write_end["last"] = emu.c + write_s
-                self._write_s[step] = write_s
-                emu.wait_until(emu.c)
-                stall = emu.c - c0
-            self._stalls[step] = float(stall)
-        else:
-            try:
-                path = ck.save_checkpoint(run_dir, keep=sc.checkpoint.keep, **self._checkpoint_args(g))
-                err = None
-            except Exception as e:
-                path, err = None, e
-            stall = time.perf_counter() - t0
-            if emu is not None:
-                emu.c += emu.storage_s(len(self.members), sc.checkpoint.write_gbyte_s)
-                emu.wait_until(emu.c)
-                stall = emu.c - c0
-            self._stalls[step] = stall
-            self._ckpt_done(step, path, stall, err)
-
-    def _emulated_write(self, step: int) -> None:
-        """In the writer thread, before the commit: the write lasts what the scenario's
-        storage takes for this node's share."""
-        self.emu.wait_until(self._write_end[step])
-
-    def _ckpt_done(self, step: int, path, write_s: float, error) -> None:
-        self._write_end.pop(step, None)
-        write_s = self._write_s.pop(step, write_s)  # emulated: the storage's, not the real small write
-        msg = {"type": "ckpt_end", "step": step, "stall_s": self._stalls.pop(step, None), "write_s": write_s,
-               "path": str(path) if path else None}
-        if error is not None:
-            msg["error"] = str(error)[:300]
-        self.chan.send(msg)
-
-    def _finish_checkpoint(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
