@@ -121,3 +121,40 @@ def test_actions_for_jitter_under_restart_and_a_bad_shard_without_quarantine(tmp
     assert predicted == observed == {"network_jitter": "endure", "data_shard_skew": "fail_run"}
     assert not result.summary["completed"]
     assert result.events[-1].step == max(e.step for e in observed_events if e.kind == "step") == 6
+
+
+def test_a_spare_gets_its_state_from_its_own_region_on_both_sides():
+    """keel.recovery.state_source_region, as the runtime's coordinator applies it
+    (GenerationsMixin._state_source: the sending rank) and as the twin prices the copy
+    (StepCost.transfer_s: from the spare's own region, at the NIC's bandwidth, not over a
+    200 Gbit/s link from us-east/0, the first member)."""
+    from types import SimpleNamespace
+    from keel import hardware, recovery as R
+    from keel.scenario import load
+    from runtime.coordinator.generations import GenerationsMixin
+    from twin.cluster import Cluster
+    from twin.cost import StepCost
+    from twin.params import TwinParams
+    from twin.topology import Topology
+    from conftest import SCENARIOS
+    sc = load(SCENARIOS / "multiregion-46.toml")
+    lat = lambda a, b: hardware.message_latency_s(sc, a, b)  # noqa: E731
+    assert R.state_source_region(["us-east", "us-west", "ap-southeast"], ["ap-southeast"], lat) == "ap-southeast"
+    assert R.state_source_region(["us-east", "us-west"], ["ap-southeast"], lat) == "us-west"  # 85 ms, not 107.5
+    assert R.state_source_region(["us-east", "us-west"], [], lat) == "us-east"
+    # the runtime: members in scenario order, the spare ap-southeast/6 behind
+    members = [n for n in sc.node_names if n not in ("us-east/3", "ap-southeast/7")]
+    live = [SimpleNamespace(node=n, committed=0 if n == "ap-southeast/6" else 5) for n in members]
+    fake = SimpleNamespace(region_of={n: n.rsplit("/", 1)[0] for n in sc.node_names}, sc=sc)
+    source = GenerationsMixin._state_source(fake, live, 5, False)
+    assert live[source].node == "ap-southeast/0"
+    # the twin: the same copy costs the spare's own NIC, not the inter-region link
+    topo = Topology(sc)
+    cluster = Cluster(sc, sc.workload.step_compute_s)
+    cost = StepCost(sc, TwinParams.from_scenario(sc, topology=topo), topo, cluster)
+    spare = cluster.nodes["ap-southeast/6"]
+    cluster.update(cluster.nodes["us-east/3"], up=False, role="down", slots=0)
+    cluster.update(spare, role="train", slots=1)
+    nbytes = hardware.state_copy_bytes(sc, 1)
+    assert cost.transfer_s([("ap-southeast/6", 1)]) == pytest.approx(
+        lat("ap-southeast", "ap-southeast") + nbytes / hardware.node_bytes_s(sc, "ap-southeast"))
