@@ -11,8 +11,17 @@ class _Off:
     def update(self, n: int = 1) -> None:
         pass
 
+    def set_postfix(self, **values: Any) -> None:
+        pass
+
     def close(self) -> None:
         pass
+
+    def __enter__(self) -> "_Off":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 class _Lines:
@@ -23,12 +32,17 @@ class _Lines:
         self.stream, self.every_s = stream, every_s
         self.t0 = self.last = time.monotonic()
         self.closed = False
+        self.postfix = ""
 
     def _line(self) -> None:
         pct = f" ({100.0 * self.n / self.total:.0f} %)" if self.total else ""
         self.stream.write(f"{self.desc}: {self.n}/{self.total} {self.unit}{pct}, "
-                          f"{time.monotonic() - self.t0:.0f} s\n")
+                          f"{time.monotonic() - self.t0:.0f} s{self.postfix}\n")
         self.stream.flush()
+
+    def set_postfix(self, **values: Any) -> None:
+        """Shown at the end of the next line (as tqdm shows it beside the bar)."""
+        self.postfix = "".join(f", {k} {v}" for k, v in values.items())
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -42,10 +56,17 @@ class _Lines:
             self.closed = True
             self._line()
 
+    def __enter__(self) -> "_Lines":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
 
 def progress_bar(*, total: int, desc: str, unit: str = "it", initial: int = 0, enabled: bool = True,
                  stream: TextIO | None = None, every_s: float = 10.0) -> Any:
-    """An object with `update(n=1)` and `close()`."""
+    """An object with `update(n=1)`, `set_postfix(**values)` and `close()`, usable as a
+    context manager."""
     stream = stream or sys.stderr
     if not enabled:
         return _Off()

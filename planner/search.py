@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -256,7 +255,7 @@ def _tpe_search(ev: Evaluator, space: Mapping[str, Param], yd_interval_steps: in
     scenario's own policy, the second (where the kind and interval are searched)
     checkpoint_restart at Young/Daly's interval. One record per trial, in trial order."""
     import optuna
-    from tqdm import tqdm
+    from keel.progress import progress_bar
 
     base = ev.scenario
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -270,7 +269,7 @@ def _tpe_search(ev: Evaluator, space: Mapping[str, Param], yd_interval_steps: in
         study.enqueue_trial({**current_policy(base, space), "policy.kind": "checkpoint_restart",
                              INTERVAL: min(space[INTERVAL].high, max(space[INTERVAL].low, yd_interval_steps))})
     records: list[dict] = []
-    bar = tqdm(total=trials, desc="plan", unit="trial", file=sys.stderr, disable=not progress)
+    bar = progress_bar(total=trials, desc="plan", unit="trial", enabled=progress)
     done = 0
     while done < trials:
         asked = [study.ask() for _ in range(min(batch, trials - done))]

@@ -25,7 +25,6 @@ import os
 import platform
 import secrets
 import shutil
-import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,13 +133,13 @@ def _corpus_files(stdlib: Path) -> list[tuple[str, Path]]:
 
 def build_corpus(cap: int = CORPUS_CAP_BYTES, progress: bool = False) -> tuple[bytes, dict[str, Any]]:
     """The corpus bytes (at most `cap`) and a description of where they came from."""
-    from tqdm import tqdm
+    from keel.progress import progress_bar
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     parts: list[bytes] = []
     used = total = 0
     first = last = None
-    with tqdm(total=cap, unit="B", unit_scale=True, desc="corpus", file=sys.stderr, disable=not progress) as bar:
+    with progress_bar(total=cap, unit="B", desc="corpus", enabled=progress) as bar:
         for rel, path in _corpus_files(stdlib):
             chunk = f"# file: {rel}\n".encode() + path.read_bytes() + b"\n"
             chunk = chunk[: cap - total]
@@ -164,7 +163,7 @@ def build_dataset(root: Path, shards: int, progress: bool = False) -> None:
     process got there first, its dataset stands and ours is discarded."""
     if shards < 1:
         raise InputError(f"data.shards: expected a positive number of shards, got {shards}")
-    from tqdm import tqdm
+    from keel.progress import progress_bar
 
     corpus, source = build_corpus(progress=progress)
     shard_bytes = len(corpus) // shards
@@ -175,11 +174,13 @@ def build_dataset(root: Path, shards: int, progress: bool = False) -> None:
     tmp.mkdir()
     try:
         entries = []
-        for i in tqdm(range(shards), desc="shards", file=sys.stderr, disable=not progress):
-            raw = corpus[i * shard_bytes:(i + 1) * shard_bytes]
-            write_synced(tmp / shard_name(i), raw)
-            entries.append({"index": i, "file": shard_name(i), "sha256": hashlib.sha256(raw).hexdigest(),
-                            "bytes": len(raw), "samples": (len(raw) - 1) // SAMPLES_CONTEXT})
+        with progress_bar(total=shards, desc="shards", unit="shard", enabled=progress) as bar:
+            for i in range(shards):
+                raw = corpus[i * shard_bytes:(i + 1) * shard_bytes]
+                write_synced(tmp / shard_name(i), raw)
+                entries.append({"index": i, "file": shard_name(i), "sha256": hashlib.sha256(raw).hexdigest(),
+                                "bytes": len(raw), "samples": (len(raw) - 1) // SAMPLES_CONTEXT})
+                bar.update(1)
         index = {"format": FORMAT, "format_version": FORMAT_VERSION, "source": source,
                  "shard_bytes": shard_bytes, "samples_context": SAMPLES_CONTEXT,
                  "sample": "context+1 consecutive bytes at a multiple of context in one shard; (bytes-1)//context per shard",

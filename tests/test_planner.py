@@ -152,7 +152,8 @@ def test_plan_cli_json_and_out(tmp_path):
     assert {"recommended", "baseline", "pareto", "trials"} <= set(result)
     assert "goodput" in result["recommended"] and "cost_node_hours_per_step" in result["baseline"]
     assert json.loads((out / "plan.json").read_text()) == result
-    assert "plan" in p.stderr  # the progress bar went to stderr
+    assert "plan: 4/4 trial (100 %)" in p.stderr  # progress on stderr: in a log, plain lines
+    assert "\r" not in p.stderr
     bad = subprocess.run(keel_cmd("plan", str(SCENARIOS / "multiregion-46.toml"), "--trials", "0"),
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--trials" in bad.stderr
