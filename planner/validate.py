@@ -134,7 +134,7 @@ def observe(scenario: S.Scenario, rep_dir: Path, progress: bool) -> dict[str, An
 
 def runtime_observation(scenario: S.Scenario, repetitions: int, out_dir: Path,
                         progress: bool) -> list[dict[str, Any]]:
-    """`repetitions` runtime runs back to back (no pace runs between them)."""
+    """`repetitions` emulated runtime runs back to back."""
     observed = []
     for k in range(repetitions):
         rep_dir = out_dir / "runtime" / f"rep-{k}"
