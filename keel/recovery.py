@@ -177,14 +177,6 @@ def state_source_region(regions_with_state: Sequence[str], receiver_regions: Seq
                               regions_with_state.index(r)))
 
 
-def heartbeat_detect_s(detect_timeout_s: float, since_last_message_s: float) -> float:
-    """When a node that went silent is declared lost, counted from the moment it went silent:
-    the coordinator waits `detect_timeout_s` after the last message it had from it (any
-    message counts: a step report as much as a heartbeat), which came `since_last_message_s`
-    before it went silent."""
-    return max(0.0, detect_timeout_s - since_last_message_s)
-
-
 # ----------------------------------------------------------------------------- stragglers
 
 def is_straggler(per_slot_s: float, median_per_slot_s: float, factor: float) -> bool:

@@ -82,8 +82,12 @@ def calibration_scenario(base: S.Scenario) -> S.Scenario:
             {"at_step": RACK_AT, "class": "partial_cluster_loss", "target": last.name, "nodes": last.nodes}]}})
 
 
+HOLDS_FOR = ("nodes", "time_scale")  # the keys of `reference` a calibration must match to be used
+
+
 def reference(base: S.Scenario) -> dict[str, Any]:
-    """What a calibration holds for: the emulated cluster's size and time scale."""
+    """What a calibration was measured on; it holds for the emulated cluster's size and time
+    scale (HOLDS_FOR)."""
     return {"scenario": base.run.name, "source": str(base.source), "nodes": base.total_nodes,
             "training_nodes": base.training_nodes, "time_scale": base.emulation.time_scale}
 

@@ -57,9 +57,10 @@ def resolve_calibration(path: str | None, out_dir: Path, progress: bool, scenari
 def reference_mismatch(calibration: Mapping[str, Any], scenario: S.Scenario) -> str | None:
     """Why a calibration does not hold for this emulated cluster (None where it does): its
     real recovery work, in emulated seconds, depends on the node count and the time scale."""
+    from planner.calibrate import HOLDS_FOR, reference
     ref = calibration.get("reference") or {}
-    want = {"nodes": scenario.total_nodes, "time_scale": scenario.emulation.time_scale}
-    for key, value in want.items():
+    here = reference(scenario)
+    for key, value in ((k, here[k]) for k in HOLDS_FOR):
         if ref.get(key) != value:
             return f"key 'reference.{key}': measured at {ref.get(key)!r}, this scenario has {value!r}"
     return None

@@ -3,8 +3,9 @@ as it is now (or for a trial layout), from TwinParams, the Topology and the Clus
 
 `StepCost.shape` builds the `StepShape` (twin/steps.py) a segment of steps is drawn from: the
 nodes' compute per group (region and load), each group with its region's chain of the
-hierarchical reduction (twin/topology.py) scaled to the calibration's reference membership, the per-step overhead, and the delay of every
-unmitigated latency spike. Reads state, never changes it (the caches aside).
+hierarchical reduction (twin/topology.py) scaled to the calibration's reference membership,
+the per-step overhead, and the delay of every unmitigated latency spike. Reads state, never
+changes it (the caches aside).
 """
 from __future__ import annotations
 

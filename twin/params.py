@@ -31,7 +31,7 @@ Calibrated primitives (name: what it is; where the scenario value comes from):
   restart_s               relaunch and rendezvous of the whole job, s (policy.restart_s)
   detect_at_commit_s      not calibrated: a scheduled crash strikes right after a commit, when the
                           node's last message (its step report) is fresh, so the whole
-                          detect_timeout_s runs (keel.recovery.heartbeat_detect_s); None where
+                          detect_timeout_s runs; None where
                           detect_kill_s is calibrated (a process death seen as connection loss)
 
 Nothing here describes the machine the tests run on: an emulated cluster's compute, network,
@@ -47,7 +47,6 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from keel import recovery as R
 from keel.calibration import CalibrationError, load as load_calibration, medians
 from keel.scenario import Scenario
 from twin.topology import Topology
@@ -110,10 +109,10 @@ class TwinParams:
         if "detect_rack_s" not in values:
             values["detect_rack_s"] = values["detect_kill_s"]
         # A scheduled crash strikes right after a commit, when the node's last message (its step
-        # report; any message counts as a heartbeat) is fresh: the full timeout runs
-        # (keel.recovery.heartbeat_detect_s). A calibrated detect_kill_s (a process death seen as
-        # connection loss) holds for it too.
-        at_commit = None if "detect_kill_s" in measured else R.heartbeat_detect_s(p.detect_timeout_s, 0.0)
+        # report; any message counts as a heartbeat) is fresh: the full timeout runs from that
+        # message. A calibrated detect_kill_s (a process death seen as connection loss) holds
+        # for it too.
+        at_commit = None if "detect_kill_s" in measured else p.detect_timeout_s
         return cls(**values, compute_jitter=scenario.workload.compute_jitter, detect_at_commit_s=at_commit,
                    heartbeat_s=p.heartbeat_s, replace_node_s=p.replace_node_s,
                    calibrated=tuple(sorted(measured)))

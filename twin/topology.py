@@ -148,9 +148,6 @@ class Topology:
         shape = {r: n for r, n in active.items() if n > 0}
         if sum(shape.values()) <= 1:
             return {}
-        return {start: self._chain(shape, nbytes, spike, start) for start in shape}
-
-    def _chain(self, shape: dict[str, int], nbytes: float, spike: tuple[str, float] | None, start: str) -> float:
         node_spike = region_spike = None
         if spike is not None:
             target, seconds = spike
@@ -158,7 +155,6 @@ class Topology:
                 node_spike = (target.split("/", 1)[0], seconds)
             else:
                 region_spike = (target, seconds)
-        clock: dict[str, float] = {}
 
         def intra(r: str) -> float:
             n = shape[r]
@@ -168,34 +164,30 @@ class Topology:
             hop = reg.intra_latency_ms / 1e3 + nbytes / n / (reg.intra_gbit_s * GBIT)
             extra = node_spike[1] if node_spike is not None and node_spike[0] == r else 0.0
             return (n - 1) * hop + extra
-        for r in shape:
-            clock[r] = intra(r) if r == start else -math.inf
-        if len(shape) > 1:
-            ring = self.region_ring(list(shape))
-            R = len(ring)
-            edges = list(zip(ring, ring[1:] + ring[:1]))
-            uses: dict[frozenset, int] = {}
-            for a, b in (edges[:1] if R == 2 else edges):
-                for link in self.route(a, b)[1]:
-                    uses[link] = uses.get(link, 0) + 1
-            cost = {}
-            for a, b in edges:
-                latency, links, _ = self.route(a, b)
-                latency += (self._regions[a].intra_latency_ms + self._regions[b].intra_latency_ms) / 2e3
-                bandwidth = min([self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] / uses[l] for l in links]
-                                + [shape[x] * self._regions[x].intra_gbit_s * GBIT for x in (a, b)])
-                extra = 0.0
-                for sp in (node_spike, region_spike):
-                    if sp is not None and sp[0] == a:
-                        extra = max(extra, sp[1])
-                cost[a] = latency + nbytes / R / bandwidth + extra
-            nxt = dict(edges)
+        ring = self.region_ring(list(shape))
+        R = len(ring)
+        edges = list(zip(ring, ring[1:] + ring[:1])) if R > 1 else []
+        uses: dict[frozenset, int] = {}
+        for a, b in (edges[:1] if R == 2 else edges):
+            for link in self.route(a, b)[1]:
+                uses[link] = uses.get(link, 0) + 1
+        cost = {}  # what region a's piece takes to reach the next region
+        for a, b in edges:
+            links = self.route(a, b)[1]
+            bandwidth = min([self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] / uses[l] for l in links]
+                            + [shape[x] * self._regions[x].intra_gbit_s * GBIT for x in (a, b)])
+            extra = max((sp[1] for sp in (node_spike, region_spike) if sp is not None and sp[0] == a), default=0.0)
+            cost[a] = hardware.message_latency_s(self.scenario, a, b) + nbytes / R / bandwidth + extra
+        nxt = dict(edges)
+
+        def chain(start: str) -> float:
+            clock = {r: intra(r) if r == start else -math.inf for r in shape}
             for _ in range(2 * (R - 1)):
                 sent = dict(clock)
                 for a in ring:
-                    b = nxt[a]
-                    clock[b] = max(clock[b], sent[a] + cost[a])
-        return max(clock[r] + intra(r) for r in shape if clock[r] > -math.inf)
+                    clock[nxt[a]] = max(clock[nxt[a]], sent[a] + cost[a])
+            return max(clock[r] + intra(r) for r in shape if clock[r] > -math.inf)
+        return {start: chain(start) for start in shape}
 
     def reduction_chains(self, active_per_region: dict[str, int]) -> dict[str, tuple[float, float]]:
         """Per active region: (its chain's latency part, its chain with the scenario's gradient
