@@ -32,8 +32,9 @@ from runtime.emulation.worker import EmulatedNodeMixin
 from runtime.groups import PG_TIMEOUT, GroupFactory
 from runtime.inject import CommGate, kill_self, poisoned_at
 from runtime.protocol import Channel, parse_address
-from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter, broadcast
+from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter
 from runtime.worker_checkpoint import CheckpointMixin
+from runtime.worker_state import StateMixin
 
 BOUND_HEADROOM = 256.0  # slot values may exceed the first moment this much and still take one round
 LOSS_BOUND = 2.0 ** 20
@@ -62,50 +63,12 @@ def _pick_device(device: str, backend: str, local_index: int) -> str:
     return device
 
 
-class Worker(CheckpointMixin, EmulatedNodeMixin):
+class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin):
     def __init__(self, address: str, node: str | None, rank_hint: int | None):
         t_start = time.perf_counter()
-        host, port = parse_address(address)
-        sock = socket.create_connection((host, port), timeout=60)
-        sock.settimeout(None)
-        self.chan = Channel(sock)
-        self.chan.send({"type": "hello", "node": node, "rank_hint": rank_hint, "pid": os.getpid(),
-                        "host": socket.gethostname()})
-        welcome = self.chan.recv()
-        if welcome is None or welcome.get("type") != "welcome":
-            raise SystemExit(f"worker: no welcome from the coordinator at {address} (got {welcome!r})")
-        self.node = welcome["node"]
-        self.coord_host = host
-        self.run_info = welcome
-
-        from keel.scenario import from_dict
-        self.scenario = from_dict(welcome["scenario"], source=welcome.get("source", "<coordinator>"))
-        torch.set_num_threads(1)
-        torch.manual_seed(self.scenario.run.seed)
-        self.backend = welcome.get("backend") or "gloo"
-        self.device = _pick_device(welcome.get("device") or "cpu", self.backend, welcome.get("local_index", 0))
-
-        from runtime.data import Loader, ensure_dataset
-        from runtime.model import build_model, build_optimizer
+        host, welcome = self._join(address, node, rank_hint)
+        self._build(welcome)
         sc = self.scenario
-        self.dataset = ensure_dataset(welcome.get("data_root"), shards=sc.data.shards)
-        self.loader = Loader(self.dataset, sc.run.seed, sc.model.context, sc.workload.micro_batch)
-        self.model = build_model(sc.model, sc.run.seed)
-        if self.device != "cpu":
-            self.model.to(self.device)
-        self.optimizer = build_optimizer(self.model, sc.model)
-        self.params = list(self.model.parameters())
-        self.layout = Layout(tuple(p.numel() for p in self.params) + (1,))
-        self.waiter = Waiter()
-        emu = welcome.get("emulation")
-        self.emu = None  # the emulated node (runtime/emulation/node.py), or None on real hardware
-        self.scale = 1.0
-        if emu:
-            from runtime.emulation.node import NodeEmulation
-            self.emu = NodeEmulation(sc, self.node, float(emu["anchor"]), float(emu["scale"]))
-            self.scale = self.emu.scale
-        self.reducer = SlotReducer(self.layout, sc.slot_count, self.device, self.waiter,
-                                   collective=self._emulated_collective if self.emu else None)
         self.total_steps = sc.run.steps
         self.committed = 0  # a fresh worker holds the state of step 0 of a fresh run
         self.quarantine: frozenset[int] = frozenset()
@@ -137,6 +100,55 @@ class Worker(CheckpointMixin, EmulatedNodeMixin):
         self.chan.send({"type": "joined", "committed": self.committed})
         print(f"worker {self.node} pid {os.getpid()}: joined {time.perf_counter() - t_start:.2f} s after start",
               file=sys.stderr, flush=True)
+
+    def _join(self, address: str, node: str | None, rank_hint: int | None) -> tuple[str, dict[str, Any]]:
+        """Say hello to the coordinator at `address`; its welcome names this worker's node and
+        carries the resolved scenario."""
+        host, port = parse_address(address)
+        sock = socket.create_connection((host, port), timeout=60)
+        sock.settimeout(None)
+        self.chan = Channel(sock)
+        self.chan.send({"type": "hello", "node": node, "rank_hint": rank_hint, "pid": os.getpid(),
+                        "host": socket.gethostname()})
+        welcome = self.chan.recv()
+        if welcome is None or welcome.get("type") != "welcome":
+            raise SystemExit(f"worker: no welcome from the coordinator at {address} (got {welcome!r})")
+        self.node = welcome["node"]
+        self.coord_host = host
+        self.run_info = welcome
+        return host, welcome
+
+    def _build(self, welcome: dict[str, Any]) -> None:
+        """The scenario's model, optimizer, data and reducer on this worker's device, and its
+        emulated node where the cluster is emulated."""
+        from keel.scenario import from_dict
+        self.scenario = from_dict(welcome["scenario"], source=welcome.get("source", "<coordinator>"))
+        torch.set_num_threads(1)
+        torch.manual_seed(self.scenario.run.seed)
+        self.backend = welcome.get("backend") or "gloo"
+        self.device = _pick_device(welcome.get("device") or "cpu", self.backend, welcome.get("local_index", 0))
+
+        from runtime.data import Loader, ensure_dataset
+        from runtime.model import build_model, build_optimizer
+        sc = self.scenario
+        self.dataset = ensure_dataset(welcome.get("data_root"), shards=sc.data.shards)
+        self.loader = Loader(self.dataset, sc.run.seed, sc.model.context, sc.workload.micro_batch)
+        self.model = build_model(sc.model, sc.run.seed)
+        if self.device != "cpu":
+            self.model.to(self.device)
+        self.optimizer = build_optimizer(self.model, sc.model)
+        self.params = list(self.model.parameters())
+        self.layout = Layout(tuple(p.numel() for p in self.params) + (1,))
+        self.waiter = Waiter()
+        emu = welcome.get("emulation")
+        self.emu = None  # the emulated node (runtime/emulation/node.py), or None on real hardware
+        self.scale = 1.0
+        if emu:
+            from runtime.emulation.node import NodeEmulation
+            self.emu = NodeEmulation(sc, self.node, float(emu["anchor"]), float(emu["scale"]))
+            self.scale = self.emu.scale
+        self.reducer = SlotReducer(self.layout, sc.slot_count, self.device, self.waiter,
+                                   collective=self._emulated_collective if self.emu else None)
 
     # ------------------------------------------------------------------------- control threads
 
@@ -256,81 +268,27 @@ class Worker(CheckpointMixin, EmulatedNodeMixin):
                             "error": str(e).splitlines()[0][:200]})
             self.acked_gen = g
 
-    # ------------------------------------------------------------------------- state
-
-    def _state_tensors(self, with_optimizer: bool) -> list[torch.Tensor]:
-        out = [p.data for p in self.params]
-        if with_optimizer:
-            for p in self.params:
-                st = self.optimizer.state[p]
-                if not st:
-                    st["step"] = torch.zeros((), dtype=torch.float32)
-                    st["exp_avg"] = torch.zeros_like(p.data)
-                    st["exp_avg_sq"] = torch.zeros_like(p.data)
-                out += [st["exp_avg"], st["exp_avg_sq"], st["step"].reshape(1)]
-        return out
-
-    def _transfer_state(self, g: int, rank: int, source: int, behind: list[int], should_abort,
-                        loaded: bool = False) -> None:
-        """Weights and AdamW state from the live peer `source` to the members that are behind
-        (a hot spare, a returning straggler), in one flat float32 tensor (bytes copied, so
-        bit-exact), broadcast in a group of just those ranks: members already at the start step
-        take no part.
-
-        Emulated: the source's clock goes with the optimizer flag, and each receiver's clock
-        moves to the arrival of its share of the scenario's state (node.state_arrivals), or,
-        after a checkpoint load (`loaded`: every member reads its share in parallel), to the
-        source's clock, which includes the read."""
-        party = [source] + sorted(r for r in behind if r != source)
-        if rank not in party:
-            return
-        who = "sending" if rank == source else "receiving"
-        self.at = f"gen {g}: state broadcast, {who}, party {party}: forming its group"
-        pg = self.groups.make(g, party.index(rank), len(party), prefix=f"gen{g}/state/")
-        clock = self.emu.c if self.emu is not None else 0.0
-        head = torch.tensor([float(bool(self.optimizer.state)), clock], dtype=torch.float64, device=self.device)
-        self.at = f"gen {g}: state broadcast, {who}, party {party}: optimizer flag"
-        broadcast(pg, head, 0, should_abort, self.waiter)
-        head = head.cpu()
-        has_opt = head[:1]
-        tensors = self._state_tensors(bool(has_opt.item()))
-        flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]).to(self.device)
-        self.at = f"gen {g}: state broadcast, {who}, party {party}: {flat.numel()} values"
-        broadcast(pg, flat, 0, should_abort, self.waiter)
-        if rank == source:
-            return
-        if self.emu is not None:
-            c_src = float(head[1])
-            if loaded:
-                self.emu.c = max(self.emu.c, c_src)
-            else:
-                receivers = {self.members[r]: len(self.slot_map[self.members[r]]) for r in behind if r != source}
-                arrival = self.emu.state_arrivals(c_src, self.members[source], receivers, f"g{g}")[self.node]
-                self.emu.c = max(self.emu.c, self.emu.now(), arrival)
-        flat = flat.cpu()
-        with torch.no_grad():
-            off = 0
-            for t in tensors:
-                n = t.numel()
-                t.copy_(flat[off:off + n].view_as(t).to(t.dtype))
-                off += n
-        if not has_opt.item():
-            self.optimizer.state.clear()
-
-    def _load_checkpoint(self, path: str) -> None:
-        from runtime import checkpoint as ck
-        loaded = ck.load_checkpoint(path, config_hash=self.run_info["config_hash"],
-                                    config=self.run_info["scenario"],
-                                    allow_config_change=bool(self.run_info.get("allow_config_change")))
-        loaded.apply_to(self.model, self.optimizer)
-        ck.restore_rng(loaded.rng)
-        if self.emu is not None:  # this node's share, at the scenario's read bandwidth
-            self.emu.c += self.emu.storage_s(len(self.members), self.scenario.checkpoint.read_gbyte_s)
-
     # ------------------------------------------------------------------------- training
 
-    def _train(self, pg, g: int, should_abort) -> None:
+    def _compute_slots(self, step: int) -> tuple[list[torch.Tensor], list[Any]]:
+        """Forward and backward of each of this worker's slots on its micro-batch of `step`:
+        per slot, the flat gradient with the loss appended, and the batch it saw."""
         from runtime.model import slot_loss
+        poisoned = poisoned_at(self.poison, step)
+        vectors, batches = [], []
+        for slot in self.slots:
+            b = self.loader.batch(step, slot, self.quarantine, poisoned)
+            x, y, w = b.x, b.y, b.w
+            if self.device != "cpu":
+                x, y, w = x.to(self.device), y.to(self.device), w.to(self.device)
+            self.model.zero_grad(set_to_none=True)
+            loss = slot_loss(self.model, x, y, w)
+            loss.backward()
+            vectors.append(torch.cat([p.grad.reshape(-1) for p in self.params] + [loss.detach().reshape(1)]).cpu())
+            batches.append(b)
+        return vectors, batches
+
+    def _train(self, pg, g: int, should_abort) -> None:
         while self.committed < self.total_steps:
             step = self.committed  # 0-based index of the step being computed
             if should_abort():
@@ -340,18 +298,7 @@ class Worker(CheckpointMixin, EmulatedNodeMixin):
             c0 = emu.c if emu is not None else 0.0
             self._round = 0
             self.at = f"gen {g} step {step + 1}: computing {len(self.slots)} slot(s)"
-            poisoned = poisoned_at(self.poison, step)
-            vectors, batches = [], []
-            for slot in self.slots:
-                b = self.loader.batch(step, slot, self.quarantine, poisoned)
-                x, y, w = b.x, b.y, b.w
-                if self.device != "cpu":
-                    x, y, w = x.to(self.device), y.to(self.device), w.to(self.device)
-                self.model.zero_grad(set_to_none=True)
-                loss = slot_loss(self.model, x, y, w)
-                loss.backward()
-                vectors.append(torch.cat([p.grad.reshape(-1) for p in self.params] + [loss.detach().reshape(1)]).cpu())
-                batches.append(b)
+            vectors, batches = self._compute_slots(step)
             t_compute = time.perf_counter() - t0
             compute_overrun = False
             if emu is not None:
