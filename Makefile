@@ -6,11 +6,12 @@ STAMP   := $(VENV)/.installed
 
 .PHONY: demo test env clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev,ray]'  # ray: tests/test_planner.py runs plan's replicas on a local Ray instance
+	$(BIN)/pip uninstall --quiet --yes keel 2>/dev/null || true  # the distribution was named keel before keel-twin
+	$(BIN)/pip install --quiet -c constraints.txt torch==2.13.0
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,ray]'  # ray: tests/test_planner.py runs plan's replicas on a local Ray instance
 	touch $(STAMP)
 
 env: $(STAMP)
