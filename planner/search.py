@@ -119,16 +119,22 @@ class Evaluator:
     seeds: list[int]
     runner: SerialRunner
     calibration: Mapping[str, Any] | None = None
-    cache: dict[tuple, dict] = field(default_factory=dict)
+    cache: dict[str, dict] = field(default_factory=dict)
     evaluations: int = 0
+
+    def key(self, policy: Mapping[str, Any]) -> str:
+        """A policy's identity: the config hash of the scenario it makes. Two policies that
+        set the same values (spelt with more keys or fewer) are one candidate."""
+        return PS.with_policy(self.scenario, policy).config_hash()
 
     def score_many(self, policies: Sequence[Mapping[str, Any]]) -> list[dict]:
         todo, keys = [], []
         for policy in policies:
-            key = tuple(sorted(policy.items()))
+            sc = PS.with_policy(self.scenario, policy)
+            key = sc.config_hash()
             keys.append(key)
             if key not in self.cache and key not in [k for k, _ in todo]:
-                todo.append((key, PS.with_policy(self.scenario, policy)))
+                todo.append((key, sc))
         jobs = [(sc, seed, self.calibration) for _, sc in todo for seed in self.seeds]
         results = self.runner.map(jobs) if jobs else []
         n = len(self.seeds)
@@ -202,35 +208,69 @@ def fault_free_step_time(scenario: S.Scenario, runner: SerialRunner,
     return float(r["step_time_s"])
 
 
+@dataclass(kw_only=True)
+class Candidates:
+    """Every distinct policy a plan scored, numbered in the order first scored. A policy met
+    again (TPE asking for one twice, a grid point equal to a trial, the baseline equal to the
+    enqueued Young/Daly trial) is the same candidate, listed once with its first source."""
+    ev: Evaluator
+    by_key: dict[str, dict] = field(default_factory=dict)
+
+    def add(self, policy: Mapping[str, Any], score: Mapping[str, Any], source: str) -> dict:
+        key = self.ev.key(policy)
+        if key not in self.by_key:
+            self.by_key[key] = {"number": len(self.by_key), "source": source, "policy": dict(policy), **score}
+        return self.by_key[key]
+
+    def all(self) -> list[dict]:
+        return list(self.by_key.values())
+
+
+SOURCES = {"scenario": "the scenario's own", "young-daly": "checkpoint_restart at Young/Daly's interval",
+           "tpe": "searched", "baseline": "baseline", "interval grid": "on the interval grid",
+           "interval fit": "the fitted interval"}
+
+
 def plan(scenario: S.Scenario, *, trials: int = 60, replicas: int = 8, runner: SerialRunner,
          calibration: Mapping[str, Any] | None = None, keys: Sequence[str] = ALL_KEYS,
          fixed: Mapping[str, Any] | None = None, cost_slack: float = 0.02, refine: bool = True,
          seed: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Search the policy space on the twin; the object `keel plan --json` prints.
-    `keys` limits the searched keys; `fixed` sets others on every candidate."""
+    `keys` limits the searched keys; `fixed` sets others on every candidate.
+
+    `trials` lists every distinct candidate scored (the searched ones, the baseline, the
+    interval grid and its fitted optimum), once each, so `evaluations == len(trials)`;
+    `recommended` and `baseline` carry the `number` of their row in `trials`."""
     seed = scenario.run.seed if seed is None else seed
     base = PS.with_policy(scenario, fixed) if fixed else scenario
     step_time = fault_free_step_time(base, runner, calibration)
     yd = PS.young_daly(base, step_time, calibration)
     space = default_space(base, yd["interval_steps"], keys)
     ev = Evaluator(scenario=base, seeds=seeds_for(seed, replicas), runner=runner, calibration=calibration)
+    cands = Candidates(ev=ev)
 
     batch = max(1, getattr(runner, "processes", 1) * 2 // max(1, replicas))
-    records = _tpe_search(ev, space, yd["interval_steps"], trials=trials, seed=seed, batch=batch,
-                          progress=progress)
+    _tpe_search(ev, cands, space, yd["interval_steps"], trials=trials, seed=seed, batch=batch, progress=progress)
     baseline_policy = {"policy.kind": "checkpoint_restart", INTERVAL: yd["interval_steps"]}
-    (baseline,) = ev.score_many([baseline_policy])
-    baseline = {"policy": baseline_policy, **baseline, "source": "baseline"}
-    recommended, front, refinement = _choose(ev, records, space, cost_slack, refine, scenario.run.steps)
+    (score,) = ev.score_many([baseline_policy])
+    baseline = {**cands.add(baseline_policy, score, "baseline"), "policy": baseline_policy, "source": "baseline"}
+    recommended, refinement = _choose(ev, cands, space, cost_slack, refine, scenario.run.steps)
+    records = cands.all()
+    assert ev.evaluations == len(records), (ev.evaluations, len(records))
+    front = pareto(records)
 
-    ranked = sorted(records, key=lambda r: (-r["goodput"], r["cost_node_hours_per_step"]))
+    ranked = sorted(records, key=lambda r: (-r["goodput"], r["cost_node_hours_per_step"], r["number"]))
+    sources: dict[str, int] = {}
+    for r in records:
+        sources[r["source"]] = sources.get(r["source"], 0) + 1
     return {
         "scenario": scenario.run.name,
         "config_hash": scenario.config_hash(),
         "seeds": ev.seeds,
         "replicas": replicas,
         "trials_requested": trials,
-        "evaluations": ev.evaluations,
+        "evaluations": len(records),
+        "sources": sources,
         "calibrated": calibration is not None,
         "searched": list(space),
         "fixed": dict(fixed or {}),
@@ -249,11 +289,12 @@ def plan(scenario: S.Scenario, *, trials: int = 60, replicas: int = 8, runner: S
     }
 
 
-def _tpe_search(ev: Evaluator, space: Mapping[str, Param], yd_interval_steps: int, *, trials: int,
-                seed: int, batch: int, progress: bool) -> list[dict]:
+def _tpe_search(ev: Evaluator, cands: Candidates, space: Mapping[str, Param], yd_interval_steps: int, *,
+                trials: int, seed: int, batch: int, progress: bool) -> None:
     """`trials` candidates from seeded TPE, asked `batch` at a time; the first is the
     scenario's own policy, the second (where the kind and interval are searched)
-    checkpoint_restart at Young/Daly's interval. One record per trial, in trial order."""
+    checkpoint_restart at Young/Daly's interval. Each goes into `cands` (a policy TPE asks
+    for again is told its score and listed once)."""
     import optuna
     from keel.progress import progress_bar
 
@@ -268,72 +309,68 @@ def _tpe_search(ev: Evaluator, space: Mapping[str, Param], yd_interval_steps: in
         enqueued[1] = "young-daly"
         study.enqueue_trial({**current_policy(base, space), "policy.kind": "checkpoint_restart",
                              INTERVAL: min(space[INTERVAL].high, max(space[INTERVAL].low, yd_interval_steps))})
-    records: list[dict] = []
     bar = progress_bar(total=trials, desc="plan", unit="trial", enabled=progress)
-    done = 0
+    done, best = 0, -math.inf
     while done < trials:
         asked = [study.ask() for _ in range(min(batch, trials - done))]
         policies = [suggest_policy(t, space, base) for t in asked]
         for t, policy, res in zip(asked, policies, ev.score_many(policies)):
             study.tell(t, [res["goodput"], res["cost_node_hours_per_step"]])
-            records.append({"number": t.number, "source": enqueued.get(t.number, "tpe"), "policy": policy, **res})
+            cands.add(policy, res, enqueued.get(t.number, "tpe"))
+            best = max(best, res["goodput"])
         done += len(asked)
-        bar.set_postfix(best_goodput=f"{max(r['goodput'] for r in records):.4f}")
+        bar.set_postfix(best_goodput=f"{best:.4f}")
         bar.update(len(asked))
     bar.close()
-    return records
 
 
-def _choose(ev: Evaluator, records: list[dict], space: Mapping[str, Param], cost_slack: float,
-            refine: bool, steps: int) -> tuple[dict, list[dict], dict | None]:
-    """The recommended candidate, the Pareto front and the interval refinement (None where
-    not refined). A refinement's grid points and fitted optimum are appended to `records`."""
-    front = pareto(records)
-    chosen = recommend(front, cost_slack)
-    recommended = {**chosen, "source": chosen["source"]}
+def _choose(ev: Evaluator, cands: Candidates, space: Mapping[str, Param], cost_slack: float,
+            refine: bool, steps: int) -> tuple[dict, dict | None]:
+    """The recommended candidate and the interval refinement (None where not refined): the
+    rule's choice on the Pareto front of the candidates so far, then, where the interval is
+    searched, its interval refined. The grid and the fitted optimum become candidates; the
+    fitted optimum is recommended, and where the fit finds none the rule chooses again on
+    the front with the grid in it (a grid point may dominate the first choice)."""
+    chosen = recommend(pareto(cands.all()), cost_slack)
     if not (refine and INTERVAL in space):
-        return recommended, front, None
+        return chosen, None
     rest = {k: v for k, v in chosen["policy"].items() if k != INTERVAL}
-    same_rest = [r for r in records if {k: v for k, v in r["policy"].items() if k != INTERVAL} == rest]
-    refinement, refined = _refine_interval(ev, chosen, same_rest, steps)
-    if refined is not None:
-        n = len(records)
-        for i, r in enumerate(refinement.pop("points")):
-            records.append({"number": n + i, "source": "refine", **r})
-        recommended = {**refined, "number": len(records), "source": "refine-fit"}
-        records.append(dict(recommended))
-        front = pareto(records)
-    return recommended, front, refinement
+    same_rest = [r for r in cands.all() if {k: v for k, v in r["policy"].items() if k != INTERVAL} == rest]
+    refinement, refined = _refine_interval(ev, cands, chosen, same_rest, steps)
+    return (refined or recommend(pareto(cands.all()), cost_slack)), refinement
 
 
-def _refine_interval(ev: Evaluator, chosen: dict, same_rest: Sequence[dict],
-                     steps: int) -> tuple[dict | None, dict | None]:
+def _refine_interval(ev: Evaluator, cands: Candidates, chosen: dict, same_rest: Sequence[dict],
+                     steps: int) -> tuple[dict, dict | None]:
     """Evaluate the chosen policy on a grid of intervals around its own, fit (grid points and
     the trials that differ from it in the interval only), and evaluate the fitted optimum.
-    Returns (the fit with its points, the refined candidate) or (the fit, None)."""
+    Returns (the fit, with the candidate numbers of the grid and the fitted point; the
+    refined candidate or None where the fit has no interior optimum)."""
     tau0 = chosen["policy"][INTERVAL]
     grid = sorted({max(1, min(steps, int(round(tau0 * f)))) for f in (0.5, 0.65, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)})
     policies = [{**chosen["policy"], INTERVAL: t} for t in grid]
     scored = ev.score_many(policies)
-    points = [{"policy": p, **r} for p, r in zip(policies, scored)]
+    points = [cands.add(p, r, "interval grid") for p, r in zip(policies, scored)]
     seen = {p[INTERVAL] for p in policies}
     pairs = [(p[INTERVAL], r["goodput"]) for p, r in zip(policies, scored)]
     # the first-order model holds near the optimum only: trials far from the grid stay out
     pairs += [(r["policy"][INTERVAL], r["goodput"]) for r in same_rest
               if r["policy"][INTERVAL] not in seen and grid[0] <= r["policy"][INTERVAL] <= grid[-1]]
     fit = fit_interval(pairs)
-    info: dict[str, Any] = {"grid": grid, "fit": fit, "points": points}
+    info: dict[str, Any] = {"from": chosen["number"], "grid": grid, "grid_numbers": [r["number"] for r in points],
+                            "fit": fit}
     if fit is None:
-        info.pop("points")
         return info, None
     tau = int(round(min(max(fit["tau"], grid[0]), grid[-1])))
     policy = {**chosen["policy"], INTERVAL: tau}
-    return info, {"policy": policy, **ev.score(policy)}
+    refined = cands.add(policy, ev.score(policy), "interval fit")
+    info["fitted"] = refined["number"]
+    return info, refined
 
 
 def _flat(r: dict) -> dict:
     out = dict(r["policy"])
-    out.update({k: r[k] for k in ("goodput", "goodput_ci95", "cost_node_hours_per_step", "cost_ci95",
+    out.update({k: r[k] for k in ("number", "goodput", "goodput_ci95", "cost_node_hours_per_step", "cost_ci95",
                                   "wall_s", "restarts", "paid_nodes") if k in r})
     out["set"] = [S.override_text(k, v) for k, v in r["policy"].items()]
     out["source"] = r.get("source")
@@ -345,7 +382,27 @@ def _trial(r: dict) -> dict:
                               "cost_node_hours_per_step", "wall_s", "restarts", "paid_nodes") if k in r}
 
 
+def counts_text(result: Mapping[str, Any]) -> str:
+    """'31 candidates (24 searched, 6 on the interval grid, 1 the fitted interval)': how many
+    distinct policies were scored and where they came from (CLI and dashboard say the same)."""
+    n = len(result.get("trials", []))
+    sources = result.get("sources") or {}
+    searched = sum(sources.get(k, 0) for k in ("scenario", "young-daly", "tpe"))
+    parts = [f"{searched} searched"] if searched else []
+    parts += [f"{sources[k]} {SOURCES[k]}" for k in ("interval grid", "interval fit") if sources.get(k)]
+    if sources.get("baseline"):
+        parts.append("the baseline")
+    asked = result.get("trials_requested")
+    if asked and searched and searched < asked:
+        parts.append(f"{asked - searched} of the {asked} asked for repeated an earlier one")
+    return f"{n} candidate{'s' * (n != 1)}" + (f" ({', '.join(parts)})" if parts else "")
+
+
 # ----------------------------------------------------------------------------- printing
+
+def _number(r: Mapping[str, Any]) -> str:
+    return f"  (#{r['number']})" if r.get("number") is not None else ""
+
 
 def table(result: Mapping[str, Any], top: int = 10) -> str:
     def row(name: str, r: Mapping[str, Any]) -> str:
@@ -354,11 +411,12 @@ def table(result: Mapping[str, Any], top: int = 10) -> str:
         return (f"{name:<12} goodput {r['goodput']:.4f} [{lo:.4f}, {hi:.4f}]  "
                 f"cost {r['cost_node_hours_per_step']:.5f} node-h/step  {pol}")
     yd = result["young_daly"]
-    lines = [f"plan {result['scenario']}: {result['evaluations']} candidates x {result['replicas']} replicas "
+    lines = [f"plan {result['scenario']}: {counts_text(result)} x {result['replicas']} replicas "
              f"(common seeds {result['seeds'][0]}..{result['seeds'][-1]})",
              f"Young/Daly: delta {yd['delta_s']:.3g} s, MTBF {yd['mtbf_s'] or float('inf'):.4g} s, "
              f"interval {yd['interval_steps']} steps",
-             row("recommended", result["recommended"]), row("baseline", result["baseline"]),
+             row("recommended", result["recommended"]) + _number(result["recommended"]),
+             row("baseline", result["baseline"]) + _number(result["baseline"]),
              f"pareto front ({len(result['pareto'])}):"]
     for r in result["pareto"][:top]:
         lines.append("  " + row(f"#{r['number']}", {**r["policy"], **r}))

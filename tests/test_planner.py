@@ -142,6 +142,46 @@ def test_plan_46_nodes_beats_the_baseline():
     assert result["seeds"] == seeds_for(7, 4)
 
 
+@pytest.mark.timeout(120)
+def test_plan_lists_each_policy_once_and_counts_agree():
+    """Every candidate scored is one row: a policy met twice (the baseline and the enqueued
+    Young/Daly trial, a grid point and a trial) is listed once; the recommended and the
+    baseline name their row; the CLI's counts are the rows' count."""
+    s = S.load(SCENARIOS / "local-8.toml")
+    result = search.run_plan(s, trials=10, replicas=2, processes=1, progress=False)
+    trials = result["trials"]
+    assert sorted(t["number"] for t in trials) == list(range(len(trials)))
+    hashes = [PS.with_policy(s, t["policy"]).config_hash() for t in trials]
+    assert len(set(hashes)) == len(hashes)
+    assert result["evaluations"] == len(trials) == sum(result["sources"].values())
+    by_number = {t["number"]: t for t in trials}
+    for tag in ("recommended", "baseline"):
+        row = by_number[result[tag]["number"]]
+        assert (row["goodput"], row["cost_node_hours_per_step"]) == (result[tag]["goodput"], result[tag]["cost_node_hours_per_step"])
+    baseline = {"policy.kind": "checkpoint_restart", "checkpoint.interval_steps": result["young_daly"]["interval_steps"]}
+    assert PS.with_policy(s, baseline).config_hash() == hashes[[t["number"] for t in trials].index(result["baseline"]["number"])]
+    fit = (result["interval_refinement"] or {}).get("fit")
+    front = {p["number"] for p in result["pareto"]}
+    if fit is None:  # no fitted interval: the rule's choice on the front, grid included
+        assert result["recommended"]["number"] in front
+    text = search.table(result)
+    assert f"{len(trials)} candidates (" in text.splitlines()[0]
+    assert f"top 10 of {len(trials)}:" in text
+
+
+def test_candidates_are_identified_by_the_scenario_they_make():
+    s = S.load(SCENARIOS / "local-8.toml")
+    ev = search.Evaluator(scenario=s, seeds=[1], runner=SerialRunner(twin_summary))
+    cands = search.Candidates(ev=ev)
+    own = {"policy.kind": s.policy.kind, "checkpoint.interval_steps": s.checkpoint.interval_steps}
+    first = cands.add(own, {"goodput": 0.5, "cost_node_hours_per_step": 1.0}, "scenario")
+    again = cands.add({"policy.kind": s.policy.kind}, {"goodput": 0.5, "cost_node_hours_per_step": 1.0}, "baseline")
+    other = cands.add({"checkpoint.interval_steps": s.checkpoint.interval_steps + 1},
+                      {"goodput": 0.4, "cost_node_hours_per_step": 1.0}, "tpe")
+    assert again is first and first["source"] == "scenario" and other["number"] == 1
+    assert len(cands.all()) == 2
+
+
 @pytest.mark.timeout(240)
 def test_plan_cli_json_and_out(tmp_path):
     out = tmp_path / "plan"
