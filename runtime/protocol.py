@@ -9,13 +9,77 @@ generation: rank, members, slot map, start step, state source), standby, abort, 
 jitter (injected network delay), kill (for workers the coordinator cannot signal), stop.
 
 A worker's death shows at once as EOF on its connection; a hung worker by missing heartbeats.
+
+Only the job's workers join. On every connection the coordinator first sends a challenge (a
+fresh random nonce); the worker's hello carries HMAC-SHA256(job secret, nonce). A connection
+whose first message is not an authentic hello, that says nothing for HELLO_TIMEOUT_S, that
+sends a line longer than MAX_LINE or one that is not a JSON object, is closed; nothing it sent
+counts. The secret is generated per job by `keel run` and handed to the workers it starts
+through their environment (KEEL_JOB_SECRET), never on a command line, in a log or in the run
+directory; workers started elsewhere (torchrun) take it from KEEL_JOB_SECRET.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import os
+import secrets
 import socket
 import threading
 from typing import Any
+
+SECRET_ENV = "KEEL_JOB_SECRET"
+MAX_LINE = 1 << 20       # bytes: the longest message a coordinator reads from a connection
+HELLO_TIMEOUT_S = 10.0   # wall seconds a new connection has to say an authentic hello
+
+
+class ProtocolError(Exception):
+    """A peer sent something the protocol does not allow: the connection is closed."""
+
+
+_NUM = (int, float)
+# what each worker -> coordinator message must carry (key: type), checked before it is handled
+WORKER_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "hello": {}, "hb": {}, "joined": {}, "bye": {}, "error": {},
+    "step": {"gen": int, "step": int, "loss": _NUM},
+    "ready": {"gen": int, "pg_s": _NUM, "state_s": _NUM},
+    "nonfinite": {"gen": int, "step": int, "suspects": list},
+    "aborted": {"gen": int, "committed": int},
+    "ckpt_start": {"step": int},
+    "ckpt_end": {"step": int},
+    "done": {"gen": int, "committed": int, "sha256": str},
+}
+_OPTIONAL = {"probe_s": _NUM, "late_s": _NUM, "committed": int, "message": str}
+
+
+def check_worker_message(msg: dict[str, Any]) -> None:
+    """ProtocolError unless `msg` is a message a worker may send, with its fields' types."""
+    kind = msg["type"]
+    fields = WORKER_FIELDS.get(kind)
+    if fields is None:
+        raise ProtocolError(f"a message of unknown type {kind[:40]!r}")
+    for key, types in list(fields.items()) + [(k, t) for k, t in _OPTIONAL.items() if k in msg]:
+        value = msg.get(key)
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise ProtocolError(f"a {kind!r} message whose {key!r} is {type(value).__name__}")
+
+
+def new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+def env_secret() -> str | None:
+    """The job's secret from KEEL_JOB_SECRET, or None where it is unset or empty."""
+    return os.environ.get(SECRET_ENV) or None
+
+
+def hello_mac(secret: str, nonce: str) -> str:
+    return hmac.new(secret.encode(), b"keel-hello:" + nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def authentic(secret: str, nonce: str, mac: object) -> bool:
+    return isinstance(mac, str) and hmac.compare_digest(hello_mac(secret, nonce), mac)
 
 
 def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -32,8 +96,11 @@ class Channel:
     """JSON lines over a socket. `send` is thread-safe; `recv_ready` parses whatever arrived
     (for a select loop); `recv` blocks for the next message (for a reader thread)."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, max_line: int | None = None):
         self.sock = sock
+        self.max_line = max_line  # None: no limit (a worker reading its coordinator's welcome)
+        self.nonce: str | None = None    # the coordinator's challenge on this connection
+        self.opened = 0.0
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._buf = b""
         self._lock = threading.Lock()
@@ -70,14 +137,17 @@ class Channel:
         return True
 
     def recv_ready(self) -> list[dict[str, Any]] | None:
-        """Messages from one recv(); None at EOF or on a broken connection."""
+        """Messages from one recv(); None at EOF or on a broken connection. Raises
+        ProtocolError for a line over `max_line` bytes or one that is not a JSON object."""
         got = self._fill()
         if got is False:
             return None
         if got is None:
             return []
         *lines, self._buf = self._buf.split(b"\n")
-        return [json.loads(line) for line in lines if line.strip()]
+        if self.max_line is not None and (len(self._buf) > self.max_line or any(len(x) > self.max_line for x in lines)):
+            raise ProtocolError(f"a message over {self.max_line} bytes")
+        return [_parse(line) for line in lines if line.strip()]
 
     def recv(self) -> dict[str, Any] | None:
         """The next message, blocking; None at EOF."""
@@ -85,7 +155,7 @@ class Channel:
             if self._fill() is False:
                 return None
         line, _, self._buf = self._buf.partition(b"\n")
-        return json.loads(line) if line.strip() else self.recv()
+        return _parse(line) if line.strip() else self.recv()
 
     def close(self) -> None:
         with self._lock:
@@ -94,3 +164,13 @@ class Channel:
             self.sock.close()
         except OSError:
             pass
+
+
+def _parse(line: bytes) -> dict[str, Any]:
+    try:
+        msg = json.loads(line)
+    except (ValueError, RecursionError):
+        raise ProtocolError("a message that is not JSON") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise ProtocolError("a message that is not a JSON object with a type")
+    return msg

@@ -31,7 +31,7 @@ import torch
 from runtime.emulation.worker import EmulatedNodeMixin
 from runtime.groups import PG_TIMEOUT, GroupFactory
 from runtime.inject import CommGate, kill_self, poisoned_at
-from runtime.protocol import Channel, parse_address
+from runtime.protocol import SECRET_ENV, Channel, ProtocolError, env_secret, hello_mac, parse_address
 from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter
 from runtime.worker_checkpoint import CheckpointMixin
 from runtime.worker_state import StateMixin
@@ -102,17 +102,26 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin):
               file=sys.stderr, flush=True)
 
     def _join(self, address: str, node: str | None, rank_hint: int | None) -> tuple[str, dict[str, Any]]:
-        """Say hello to the coordinator at `address`; its welcome names this worker's node and
-        carries the resolved scenario."""
+        """Answer the challenge of the coordinator at `address` with the job's secret
+        (KEEL_JOB_SECRET, runtime/protocol.py); its welcome names this worker's node and carries
+        the resolved scenario."""
+        secret = env_secret() or ""
         host, port = parse_address(address)
         sock = socket.create_connection((host, port), timeout=60)
-        sock.settimeout(None)
         self.chan = Channel(sock)
-        self.chan.send({"type": "hello", "node": node, "rank_hint": rank_hint, "pid": os.getpid(),
-                        "host": socket.gethostname()})
-        welcome = self.chan.recv()
+        try:
+            challenge = self.chan.recv()
+            if challenge is None or challenge.get("type") != "challenge":
+                raise SystemExit(f"worker: no challenge from the coordinator at {address} (got {challenge!r})")
+            self.chan.send({"type": "hello", "node": node, "rank_hint": rank_hint, "pid": os.getpid(),
+                            "host": socket.gethostname(), "mac": hello_mac(secret, str(challenge.get("nonce")))})
+            welcome = self.chan.recv()
+        except (ProtocolError, TimeoutError) as e:
+            raise SystemExit(f"worker: the peer at {address} is not a keel coordinator ({e})") from None
+        sock.settimeout(None)
         if welcome is None or welcome.get("type") != "welcome":
-            raise SystemExit(f"worker: no welcome from the coordinator at {address} (got {welcome!r})")
+            raise SystemExit(f"worker: not admitted by the coordinator at {address}: "
+                             f"{(welcome or {}).get('reason', 'the connection closed')}")
         self.node = welcome["node"]
         self.coord_host = host
         self.run_info = welcome
@@ -154,7 +163,10 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin):
 
     def _reader(self) -> None:
         while True:
-            msg = self.chan.recv()
+            try:
+                msg = self.chan.recv()
+            except ProtocolError:
+                msg = None
             if msg is None:  # the coordinator is gone: nothing left to do
                 os._exit(0 if self.stopping else 3)
             kind = msg.get("type")
@@ -399,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.die_with_parent:
         _set_pdeathsig()
     rank_hint = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
+    if env_secret() is None:
+        print(f"keel: {SECRET_ENV}: not set; the coordinator at {args.coordinator} admits only workers that "
+              f"have the job's secret (the value its coordinator was started with)", file=sys.stderr)
+        return 2
     try:
         worker = Worker(args.coordinator, args.node or os.environ.get("KEEL_NODE"), rank_hint)
     except (ConnectionError, OSError) as e:

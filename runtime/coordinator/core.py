@@ -29,9 +29,20 @@ from runtime.coordinator.procs import LocalProcess, start_worker
 from runtime.coordinator.stall import stall_report
 from runtime.coordinator.stragglers import StragglerWatch
 from runtime.inject import planned_faults, poison_schedule
-from runtime.protocol import Channel, parse_address
+from runtime.protocol import (HELLO_TIMEOUT_S, MAX_LINE, Channel, ProtocolError, authentic, check_worker_message,
+                              env_secret, new_secret, parse_address)
 
 STALL_MIN_S = 60.0
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -62,8 +73,16 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
     def __init__(self, scenario: Scenario, out_dir: str | Path, *, resume: str | Path | None = None,
                  no_faults: bool = False, allow_config_change: bool = False, progress: bool = True,
                  listen: str = "127.0.0.1:0", spawn: bool = True, hangs: str | None = None,
-                 device: str = "cpu", backend: str = "gloo", data_root: str | None = None):
+                 device: str = "cpu", backend: str = "gloo", data_root: str | None = None,
+                 secret: str | None = None):
+        """`secret`: the job's secret (runtime/protocol.py); by default KEEL_JOB_SECRET, or a
+        fresh one where this coordinator starts every worker itself."""
         self.sc = scenario
+        self.secret = secret or env_secret() or (new_secret() if spawn else None)
+        if self.secret is None:
+            raise InputError("KEEL_JOB_SECRET: not set; a coordinator whose workers start elsewhere needs the "
+                             "job's secret, the same for it and every worker (e.g. export KEEL_JOB_SECRET="
+                             "$(python3 -c 'import secrets; print(secrets.token_hex(32))'))")
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(exist_ok=True)
@@ -106,14 +125,31 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
         if resume is not None:
             self._prepare_resume(Path(resume))
         self.sel = selectors.DefaultSelector()
-        self.host, port = parse_address(listen)
+        self.host, self.port_wanted = parse_address(listen)
+        self._listen()
+        self.sel.register(self.listener, selectors.EVENT_READ, None)
+
+    def _listen(self) -> None:
+        """The control port and the rendezvous store, both bound to `self.host` only (torch's
+        TCPStore alone would listen on every interface: it is handed a socket bound here).
+        Beyond loopback, a warning names what is exposed."""
         import torch.distributed as dist
-        self.store = dist.TCPStore(self.host, 0, None, True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=300))
-        self.listener = socket.create_server((self.host, port), backlog=256)
+        host, port = self.host, self.port_wanted
+        try:
+            self.listener = socket.create_server((host, port), backlog=256)
+            store_sock = socket.create_server((host, 0), backlog=256)
+        except OSError as e:
+            raise InputError(f"--listen {host}:{port}: cannot listen there ({e.strerror or e})") from None
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
-        self.sel.register(self.listener, selectors.EVENT_READ, None)
+        store_port = store_sock.getsockname()[1]
+        self.store = dist.TCPStore(host, store_port, None, True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=300), master_listen_fd=store_sock.detach())
+        if not _loopback(host):
+            print(f"keel: warning: listening beyond this machine on {host}: the coordinator's port {self.port} "
+                  f"(workers must prove the job's secret) and the rendezvous store's port {store_port} "
+                  f"(torch's TCPStore: no authentication); firewall them to the job's machines",
+                  file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------------- events
 
@@ -137,15 +173,7 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
 
     def _prepare_resume(self, resume: Path) -> None:
         from runtime import checkpoint as ck
-        refused: list = []
-        latest = None
-        for candidate in (resume / "checkpoints", resume):
-            latest = ck.find_latest(candidate, refused)
-            if latest is not None:
-                break
-        if latest is None:
-            why = "; ".join(f"{p.name}: {'; '.join(pr)}" for p, pr in refused) if refused else "none found"
-            raise InputError(f"--resume {resume}: no complete checkpoint to resume from ({why})")
+        latest = ck.resolve_resume(resume)  # says on stderr which newer ones it refused, and why
         loaded = ck.load_checkpoint(latest, config_hash=self.config_hash, config=self.config,
                                     allow_config_change=self.allow_config_change)
         for w in loaded.warnings:
@@ -164,7 +192,7 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
         touched it, and the fork server has (measured on an H200 with torch 2.11, 4 Dec)."""
         log_path = self.out / "logs" / (node.replace("/", "_") + ".log")
         fresh_interpreter = fresh_interpreter or str(self.welcome.get("device", "cpu")).startswith("cuda")
-        proc = start_worker(node, f"{self.host}:{self.port}", log_path, fresh_interpreter)
+        proc = start_worker(node, f"{self.host}:{self.port}", log_path, self.secret, fresh_interpreter)
         old = self.workers.get(node)
         if old is not None and old.chan is not None:
             self._drop_channel(old)
@@ -189,7 +217,28 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
             except BlockingIOError:
                 return
             sock.setblocking(True)
-            self.sel.register(sock, selectors.EVENT_READ, Channel(sock))
+            chan = Channel(sock, max_line=MAX_LINE)
+            chan.nonce, chan.opened = new_secret(), time.monotonic()
+            self.sel.register(sock, selectors.EVENT_READ, chan)
+            chan.send({"type": "challenge", "nonce": chan.nonce})
+
+    def _close(self, chan: Channel, node: str | None = None, why: str | None = None) -> None:
+        """Close a connection; a worker's (`node`) is then lost, for `why`."""
+        try:
+            self.sel.unregister(chan.sock)
+        except (KeyError, ValueError):
+            pass
+        chan.close()
+        if node is not None and self.workers[node].chan is chan and not self.workers[node].machine_down:
+            self.workers[node].chan = None
+            self._lost(self.workers[node], why or "connection closed")
+
+    def _drop_strangers(self, now: float) -> None:
+        """Connections that have not said an authentic hello within HELLO_TIMEOUT_S."""
+        for key in list(self.sel.get_map().values()):
+            chan = key.data
+            if isinstance(chan, Channel) and now - chan.opened > HELLO_TIMEOUT_S:
+                self._close(chan)
 
     def _assign_node(self, msg: dict) -> str | None:
         node = msg.get("node")
@@ -202,11 +251,14 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
         return free[0] if free else None
 
     def _on_hello(self, chan: Channel, msg: dict) -> str | None:
+        if msg.get("type") != "hello" or not authentic(self.secret, chan.nonce or "", msg.get("mac")):
+            chan.send({"type": "refused", "reason": "not the job's secret (KEEL_JOB_SECRET)"})
+            self._close(chan)
+            return None
         node = self._assign_node(msg)
         if node is None:
             chan.send({"type": "refused", "reason": "no such node, or every node is taken"})
-            self.sel.unregister(chan.sock)
-            chan.close()
+            self._close(chan)
             return None
         w = self.workers.get(node)
         if w is None or (not self.spawn_local and not w.alive):
@@ -258,6 +310,7 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
             else:
                 self._read(key)
         now = time.monotonic()
+        self._drop_strangers(now)
         for w in list(self.workers.values()):
             if not w.alive:
                 continue
@@ -279,22 +332,25 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
 
     def _read(self, key: selectors.SelectorKey) -> None:
         chan, node = key.data if isinstance(key.data, tuple) else (key.data, None)
-        msgs = chan.recv_ready()
+        try:
+            msgs = chan.recv_ready()
+        except ProtocolError as e:
+            self._close(chan, node, f"sent {e}")
+            return
         if msgs is None:  # EOF: the connection is gone
-            try:
-                self.sel.unregister(chan.sock)
-            except (KeyError, ValueError):
-                pass
-            chan.close()
-            if node is not None and self.workers[node].chan is chan and not self.workers[node].machine_down:
-                self.workers[node].chan = None
-                self._lost(self.workers[node], "connection closed")
+            self._close(chan, node)
             return  # a crashed machine's (emulated) sends nothing: its heartbeats just stop
         for msg in msgs:
-            if node is None:  # a connection says hello before anything else counts
-                if msg.get("type") == "hello":
-                    node = self._on_hello(chan, msg)
+            if node is None:  # an authentic hello before anything else counts
+                node = self._on_hello(chan, msg)
+                if node is None:
+                    return
                 continue
+            try:
+                check_worker_message(msg)
+            except ProtocolError as e:
+                self._close(chan, node, f"sent {e}")
+                return
             self._on_message(self.workers[node], msg)
 
     # ------------------------------------------------------------------------- messages
@@ -369,6 +425,9 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
                 w.proc.stop(deadline - time.monotonic())
         for w in self.workers.values():
             self._drop_channel(w)
+        for key in list(self.sel.get_map().values()):  # connections that never said an authentic hello
+            if isinstance(key.data, Channel):
+                self._close(key.data)
         try:
             self.listener.close()
         except OSError:
@@ -378,20 +437,28 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m runtime.coordinator SCENARIO --listen HOST:PORT --out DIR`: a coordinator
-    that waits for workers started elsewhere (by hand or by torchrun)."""
+    that waits for workers started elsewhere (by hand or by torchrun). It and its workers share
+    the job's secret through KEEL_JOB_SECRET (runtime/protocol.py)."""
     import argparse
 
     from keel.rundir import write_summary
     from keel.scenario import load
     p = argparse.ArgumentParser(prog="python -m runtime.coordinator")
-    p.add_argument("scenario")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--listen", default="127.0.0.1:29400")
-    p.add_argument("--out", required=True)
-    p.add_argument("--no-faults", action="store_true")
+    p.add_argument("scenario", help="scenario TOML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a scenario key (repeatable)")
+    p.add_argument("--listen", default="127.0.0.1:29400", metavar="HOST:PORT",
+                   help="where the coordinator and its rendezvous store listen (default: %(default)s, this "
+                        "machine only; another address prints a warning naming what is exposed)")
+    p.add_argument("--out", required=True, help="the run directory")
+    p.add_argument("--no-faults", action="store_true", help="ignore faults.schedule")
     args = p.parse_args(argv)
-    sc = load(args.scenario, args.overrides)
-    coord = Coordinator(sc, args.out, listen=args.listen, spawn=False, no_faults=args.no_faults)
+    try:
+        sc = load(args.scenario, args.overrides)
+        coord = Coordinator(sc, args.out, listen=args.listen, spawn=False, no_faults=args.no_faults)
+    except InputError as e:
+        print(f"keel: {e}", file=sys.stderr)
+        return 2
     print(f"coordinator listening on {coord.host}:{coord.port}", file=sys.stderr, flush=True)
     write_summary(args.out, coord.run())
     return 0

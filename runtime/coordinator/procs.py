@@ -14,6 +14,7 @@ from pathlib import Path
 
 from keel.paths import REPO_ROOT
 from runtime.inject import signal_pid
+from runtime.protocol import SECRET_ENV
 
 _FORKSERVER = None
 
@@ -29,7 +30,8 @@ def _forkserver():
     return _FORKSERVER
 
 
-def forked_worker(address: str, node: str, log_path: str) -> None:
+def forked_worker(address: str, node: str, log_path: str, secret: str) -> None:
+    os.environ[SECRET_ENV] = secret  # this process's own environment: no command line shows it
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -88,12 +90,15 @@ class LocalProcess:
             self.wait()
 
 
-def start_worker(node: str, address: str, log_path: Path, fresh_interpreter: bool = False) -> LocalProcess:
-    """Start the worker of `node`, joining the coordinator at `address`, its output in `log_path`."""
+def start_worker(node: str, address: str, log_path: Path, secret: str,
+                 fresh_interpreter: bool = False) -> LocalProcess:
+    """Start the worker of `node`, joining the coordinator at `address` with the job's `secret`
+    (in its environment, never on its command line), its output in `log_path`."""
     if not fresh_interpreter:
-        return LocalProcess(_forkserver().Process(target=forked_worker, args=(address, node, str(log_path)),
+        return LocalProcess(_forkserver().Process(target=forked_worker, args=(address, node, str(log_path), secret),
                                                   name=f"keel-worker-{node}"))
     env = dict(os.environ)
+    env[SECRET_ENV] = secret
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0")
     env.pop("RANK", None)
