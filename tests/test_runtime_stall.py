@@ -24,7 +24,7 @@ def test_a_generation_formed_after_the_last_step_finishes_the_run(tmp_path):
     the generation formed at start step == run.steps had nothing to run, its members reported
     done, and the coordinator waited for a step that never comes (60 s stall)."""
     from runtime.coordinator import Coordinator, WorkerState
-    coord = Coordinator(scenario(steps=14), tmp_path / "out", progress=False, spawn=False)
+    coord = Coordinator(scenario(steps=14), tmp_path / "out", progress=False, spawn=False, secret="test")
     try:
         now = time.monotonic()
         coord.t0 = now
