@@ -38,6 +38,10 @@ def cli(args: Any) -> int:
     root = str(MAIN.parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     print(f"keel app: http://{address}:{port}  (runs: {env['KEEL_RUNS']}; Ctrl-C stops it)", file=sys.stderr)
+    if address not in ("127.0.0.1", "localhost", "::1"):
+        print(f"keel app: warning: serving beyond this machine on {address}:{port}: anyone who reaches it can "
+              f"read every run under {env['KEEL_RUNS']} and start simulations and plans (no authentication)",
+              file=sys.stderr)
     proc = subprocess.Popen(command(port, address), env=env)
     try:
         return proc.wait()

@@ -30,7 +30,7 @@ def test_a_bad_port_is_exit_2(port, capsys):
     assert "--port" in capsys.readouterr().err
 
 
-def test_runs_directory_reaches_the_app(monkeypatch, tmp_path):
+def test_runs_directory_reaches_the_app(monkeypatch, tmp_path, capsys):
     seen = {}
 
     class FakePopen:
@@ -46,5 +46,7 @@ def test_runs_directory_reaches_the_app(monkeypatch, tmp_path):
     assert seen["env"]["KEEL_RUNS"] == str(tmp_path / "runs")
     assert launch.cli(argparse.Namespace(port=8600, address="0.0.0.0", runs=str(tmp_path / "elsewhere"))) == 0
     assert seen["env"]["KEEL_RUNS"] == str(tmp_path / "elsewhere") and "0.0.0.0" in seen["cmd"]
+    err = capsys.readouterr().err  # loopback is quiet; any other address warns what it exposes
+    assert err.count("warning: serving beyond this machine on 0.0.0.0:8600") == 1
     with pytest.raises(InputError):
         launch.cli(argparse.Namespace(port=-1, address="127.0.0.1"))
