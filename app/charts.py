@@ -19,6 +19,8 @@ MARK_SHAPES = {"fault": "cross", "detect": "triangle-down", "recover_start": "di
                "recover_end": "circle", "reslot": "triangle-right", "quarantine": "square",
                "restart": "triangle-up"}
 WIDTH = 640
+TWIN_COLOUR = "#222222"
+REP_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
 
 
 PAD = alt.AutoSizeParams(type="pad", contains="padding")  # sizes are the plot's; Streamlit would fit legends in
@@ -55,21 +57,43 @@ def topology_frames(scenario: Scenario) -> dict[str, list[dict[str, Any]]]:
             node_rows.append({"node": name, "region": r.name,
                               "x": cx + ring * math.cos(b), "y": cy + ring * math.sin(b),
                               "role": "hot spare" if name in spares else "training"})
-    label_spots: list[tuple[float, float]] = []
+    # Each link's label sits on the link, halfway where it can: the first spot along it whose
+    # box (estimated in the chart's units) overlaps no label placed before it, no region's
+    # label and no region's ring of nodes.
+    taken = [_box(r["x"], r["y"] + REGION_LABEL_DY, len(r["label"]), bold=True) for r in region_rows]
+    taken += [(cx - ring, cy - ring, cx + ring, cy + ring) for cx, cy in centre.values()]
     for link in scenario.links:
         (ax, ay), (bx, by) = centre[link.a], centre[link.b]
-        # the label sits halfway along the link, or further along where crossing links
-        # (opposite regions) would put two labels on one spot
-        for t in (0.5, 0.3, 0.7, 0.2, 0.8):
-            mx, my = ax + (bx - ax) * t, ay + (by - ay) * t
-            if all((mx - x) ** 2 + (my - y) ** 2 > 0.04 for x, y in label_spots):
-                break
-        label_spots.append((mx, my))
+        label = f"{link.rtt_ms:g} ms, {link.gbit_s:g} Gbit/s"
+        # along the link first, then just above or below it
+        line_h = _box(0, 0, 1)[3] * 2.2
+        spots = [(ax + (bx - ax) * t, ay + (by - ay) * t + dy) for dy in (0.0, line_h, -line_h) for t in LABEL_SPOTS]
+        boxes = [_box(x, y, len(label)) for x, y in spots]
+        k = next((i for i, b in enumerate(boxes) if not any(_overlap(b, o) for o in taken)), 0)
+        taken.append(boxes[k])
         link_rows.append({"a": link.a, "b": link.b, "x": ax, "y": ay, "x2": bx, "y2": by,
-                          "mx": mx, "my": my,
+                          "mx": spots[k][0], "my": spots[k][1],
                           "rtt_ms": link.rtt_ms, "gbit_s": link.gbit_s, "jitter_ms": link.jitter_ms,
-                          "label": f"{link.rtt_ms:g} ms, {link.gbit_s:g} Gbit/s"})
+                          "label": label})
     return {"regions": region_rows, "nodes": node_rows, "links": link_rows}
+
+
+# the topology chart's geometry: its domains and size, and what a label's box takes
+TOPO_X, TOPO_Y, TOPO_W, TOPO_H = (-1.45, 1.45), (-1.4, 1.45), 520, 440
+LABEL_SPOTS = (0.5, 0.4, 0.6, 0.33, 0.67, 0.27, 0.73, 0.45, 0.55, 0.22, 0.78)
+REGION_LABEL_DY = 48 * (TOPO_Y[1] - TOPO_Y[0]) / TOPO_H  # the region label's dy, in y units
+
+
+def _box(x: float, y: float, chars: int, bold: bool = False) -> tuple[float, float, float, float]:
+    """(x0, y0, x1, y1) of a text label centred on (x, y), in the chart's units: about 5.6
+    px a character at font size 10 (7.4 bold at 12), 13 px high."""
+    w = chars * (7.4 if bold else 5.6) * (TOPO_X[1] - TOPO_X[0]) / TOPO_W
+    h = (15 if bold else 13) * (TOPO_Y[1] - TOPO_Y[0]) / TOPO_H
+    return (x - w / 2, y - h / 2, x + w / 2, y + h / 2)
+
+
+def _overlap(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
 
 
 def topology_chart(scenario: Scenario) -> alt.LayerChart:
@@ -77,13 +101,13 @@ def topology_chart(scenario: Scenario) -> alt.LayerChart:
     spares hollow), links between regions labelled with RTT and bandwidth."""
     f = topology_frames(scenario)
     axis = alt.Axis(title=None, labels=False, ticks=False, grid=False, domain=False)
-    x = alt.X("x:Q", axis=axis, scale=alt.Scale(domain=[-1.45, 1.45]))
-    y = alt.Y("y:Q", axis=axis, scale=alt.Scale(domain=[-1.4, 1.45]))
+    x = alt.X("x:Q", axis=axis, scale=alt.Scale(domain=list(TOPO_X)))
+    y = alt.Y("y:Q", axis=axis, scale=alt.Scale(domain=list(TOPO_Y)))
     links = alt.Chart(alt.Data(values=f["links"])).mark_rule(color="#888", strokeWidth=2).encode(
         x=x, y=y, x2="x2:Q", y2="y2:Q",
         tooltip=["a:N", "b:N", alt.Tooltip("rtt_ms:Q", title="RTT (ms)"),
                  alt.Tooltip("gbit_s:Q", title="Gbit/s"), alt.Tooltip("jitter_ms:Q", title="jitter (ms)")])
-    link_labels = alt.Chart(alt.Data(values=f["links"])).mark_text(fontSize=10, color="#444", dy=-6).encode(
+    link_labels = alt.Chart(alt.Data(values=f["links"])).mark_text(fontSize=10, color="#444").encode(
         x=alt.X("mx:Q", axis=axis), y=alt.Y("my:Q", axis=axis), text="label:N")
     nodes = alt.Chart(alt.Data(values=f["nodes"])).mark_point(size=70, filled=True).encode(
         x=x, y=y,
@@ -91,11 +115,11 @@ def topology_chart(scenario: Scenario) -> alt.LayerChart:
         shape=alt.Shape("role:N", scale=alt.Scale(domain=["training", "hot spare"], range=["circle", "diamond"]),
                         legend=alt.Legend(title="node", orient="bottom")),
         tooltip=["node:N", "region:N", "role:N"])
-    region_labels = alt.Chart(alt.Data(values=f["regions"])).mark_text(fontSize=12, fontWeight="bold", dy=-48).encode(
+    region_labels = alt.Chart(alt.Data(values=f["regions"])).mark_text(fontSize=12, fontWeight="bold", dy=-48, color="#222").encode(
         x=x, y=y, text="label:N",
         tooltip=["region:N", "nodes:Q", "gpus:Q", alt.Tooltip("intra_gbit_s:Q", title="intra Gbit/s")])
     return alt.layer(links, link_labels, nodes, region_labels).properties(
-        autosize=PAD, width=520, height=440, title=f"{scenario.run.name}: {scenario.total_nodes} nodes in {len(scenario.regions)} regions")
+        autosize=PAD, width=TOPO_W, height=TOPO_H, title=f"{scenario.run.name}: {scenario.total_nodes} nodes in {len(scenario.regions)} regions")
 
 
 # ----------------------------------------------------------------------------- timelines
@@ -146,13 +170,25 @@ def progress_chart(runs: dict[str, Sequence[Event]], offsets: dict[str, float] |
     """Steps committed against time, one line per run: flat stretches are downtime.
     `offsets` as for `aligned_timelines`."""
     offsets = offsets or {}
-    rows = [dict(p, run=label) for label, ev in runs.items() for p in data.progress(ev, offset=offsets.get(label, 0.0))]
-    # linear, not a staircase: the twin samples its step events
-    return alt.Chart(alt.Data(values=rows)).mark_line().encode(
+    rows = [dict(p, run=label, source="predicted (twin)" if label == "twin" else "observed (runtime)")
+            for label, ev in runs.items() for p in data.progress(ev, offset=offsets.get(label, 0.0))]
+    labels = list(runs)
+    colour = alt.Color("run:N", title="run", legend=alt.Legend(orient="bottom"),
+                       scale=alt.Scale(scheme="tableau10") if "twin" not in labels else
+                       alt.Scale(domain=labels, range=[TWIN_COLOUR if k == "twin" else REP_COLOURS[i % len(REP_COLOURS)]
+                                                       for i, k in enumerate(labels)]))
+    encoding = dict(
         x=alt.X("t:Q", title="time since training start (s)" if offsets else "time since run start (s)"),
-        y=alt.Y("step:Q", title="steps committed"),
-        color=alt.Color("run:N", title=None, scale=alt.Scale(scheme="tableau10")), tooltip=["run:N", "t:Q", "step:Q"],
-    ).properties(autosize=PAD, width=WIDTH, height=220, title="progress")
+        y=alt.Y("step:Q", title="steps committed"), color=colour, tooltip=["run:N", "t:Q", "step:Q"])
+    if "twin" in labels:  # a validation: the prediction drawn apart from what was observed
+        encoding["strokeDash"] = alt.StrokeDash("source:N", title=None, legend=alt.Legend(orient="bottom"), scale=alt.Scale(
+            domain=["predicted (twin)", "observed (runtime)"], range=[[6, 3], [1, 0]]))
+        encoding["size"] = alt.Size("source:N", legend=None, scale=alt.Scale(
+            domain=["predicted (twin)", "observed (runtime)"], range=[3, 1.5]))
+    # linear, not a staircase: the twin samples its step events
+    return alt.Chart(alt.Data(values=rows)).mark_line().encode(**encoding).properties(
+        autosize=PAD, width=WIDTH, height=220, title=alt.TitleParams("progress", subtitle="steps committed over time: a flat stretch is downtime",
+                                                      subtitleColor="#555", anchor="start"))
 
 
 # ----------------------------------------------------------------------------- per run
@@ -166,7 +202,7 @@ def downtime_chart(summaries: dict[str, dict[str, Any]]) -> alt.Chart:
     return alt.Chart(alt.Data(values=rows)).mark_bar().encode(
         x=alt.X("fault:N", title="fault", sort=None), xOffset="run:N",
         y=alt.Y("downtime_s:Q", title="downtime (s)"),
-        color=alt.Color("run:N", scale=alt.Scale(scheme="tableau10"), legend=alt.Legend(title=None, orient="bottom")),
+        color=alt.Color("run:N", scale=alt.Scale(scheme="tableau10"), legend=alt.Legend(title=None, orient="bottom", labelLimit=0)),
         tooltip=["run:N", "fault:N", "target:N", "action:N", alt.Tooltip("downtime_s:Q", format=".3f"),
                  alt.Tooltip("cost_s:Q", format=".3f")],
     ).properties(autosize=PAD, width=420, height=240, title="downtime per fault")
@@ -182,7 +218,7 @@ def goodput_chart(summaries: dict[str, dict[str, Any]]) -> alt.LayerChart:
     base = alt.Chart(alt.Data(values=rows))
     x = alt.X("goodput:Q", scale=alt.Scale(domain=[0, 1]), title="goodput (95% interval where replicated)")
     bars = base.mark_bar().encode(
-        y=alt.Y("run:N", title=None, sort=None), x=x,
+        y=alt.Y("run:N", title=None, sort=None, axis=alt.Axis(labelLimit=0)), x=x,
         color=alt.Color("run:N", legend=None, scale=alt.Scale(scheme="tableau10")),
         tooltip=["run:N", alt.Tooltip("goodput:Q", format=".4f"), "restarts:Q"])
     err = base.mark_rule(color="black", strokeWidth=2).encode(
@@ -194,9 +230,16 @@ def goodput_chart(summaries: dict[str, dict[str, Any]]) -> alt.LayerChart:
 
 # ----------------------------------------------------------------------------- plan
 
+def _zoom(values: Sequence[float], pad: float = 0.08) -> list[float]:
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or abs(hi) * 0.01 or 1e-6
+    return [lo - pad * span, hi + pad * span]
+
+
 def pareto_chart(plan: dict[str, Any]) -> alt.LayerChart:
-    """Every trial as goodput against cost, the Pareto front as a line, the recommended
-    policy and the baseline marked."""
+    """Every candidate as goodput against cost, the Pareto front as a line, the recommended
+    policy and the baseline marked. The view is zoomed on the front, the recommended and
+    the baseline; candidates outside it are counted in the subtitle, not drawn."""
     rows = data.plan_rows(plan)
     front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["cost_node_hours_per_step"] or 0.0)
     special = []
@@ -206,8 +249,22 @@ def pareto_chart(plan: dict[str, Any]) -> alt.LayerChart:
             special.append({"which": tag, "goodput": entry["goodput"],
                             "cost_node_hours_per_step": entry.get("cost_node_hours_per_step"),
                             "policy": data.policy_text(data.policy_of(entry))})
-    x = alt.X("cost_node_hours_per_step:Q", title="cost (node-hours per step)", scale=alt.Scale(zero=False))
-    y = alt.Y("goodput:Q", title="goodput", scale=alt.Scale(zero=False))
+    anchor = [r for r in front + special if r.get("cost_node_hours_per_step") is not None] or rows
+    subtitle = ["line: the Pareto front (no candidate is both cheaper and better)"]
+    if anchor:
+        xdom = _zoom([r["cost_node_hours_per_step"] for r in anchor])
+        ydom = _zoom([r["goodput"] for r in anchor])
+        inside = [r for r in rows if xdom[0] <= (r["cost_node_hours_per_step"] or 0.0) <= xdom[1]
+                  and ydom[0] <= (r["goodput"] or 0.0) <= ydom[1]]
+        if len(inside) < len(rows):
+            subtitle.append(f"zoomed on the front: {len(rows) - len(inside)} of {len(rows)} candidates lie outside "
+                            "this view (all are in the table)")
+        rows = inside
+        xscale, yscale = alt.Scale(domain=xdom, nice=False), alt.Scale(domain=ydom, nice=False)
+    else:
+        xscale, yscale = alt.Scale(zero=False), alt.Scale(zero=False)
+    x = alt.X("cost_node_hours_per_step:Q", title="cost (node-hours per useful step)", scale=xscale)
+    y = alt.Y("goodput:Q", title="goodput", scale=yscale)
     trials = alt.Chart(alt.Data(values=rows)).mark_circle(size=50, opacity=0.6).encode(
         x=x, y=y, color=alt.Color("pareto:N", scale=alt.Scale(domain=[True, False], range=["#1f77b4", "#bbbbbb"]),
                                   legend=alt.Legend(title="on the Pareto front")),
@@ -218,10 +275,12 @@ def pareto_chart(plan: dict[str, Any]) -> alt.LayerChart:
     marks = alt.Chart(alt.Data(values=special or [{"which": "recommended", "goodput": 0, "cost_node_hours_per_step": 0}]),
                       ).mark_point(size=220, strokeWidth=3, filled=False, opacity=1 if special else 0).encode(
         x=x, y=y, shape=alt.Shape("which:N", scale=alt.Scale(domain=["recommended", "baseline"], range=["diamond", "square"]),
-                                  legend=alt.Legend(title=None)),
+                                  legend=alt.Legend(title="chosen")),
         color=alt.value("#d62728"), tooltip=["which:N", "goodput:Q", "cost_node_hours_per_step:Q", "policy:N"])
+    title = alt.TitleParams("recovery policies: goodput against cost", subtitle=subtitle, subtitleColor="#555",
+                            anchor="start")
     return alt.layer(line, trials, marks).resolve_scale(color="independent").properties(
-        autosize=PAD, width=WIDTH, height=360, title="recovery policies: goodput against cost")
+        autosize=PAD, width=WIDTH, height=360, title=title)
 
 
 # ----------------------------------------------------------------------------- compare
@@ -254,8 +313,16 @@ def parity_chart(comparison: dict[str, Any]) -> alt.LayerChart:
         tooltip=["fault_id:Q", "class:N", "target:N", "rep:Q", alt.Tooltip("predicted_s:Q", format=".3f"),
                  alt.Tooltip("predicted_lo:Q", format=".3f"), alt.Tooltip("predicted_hi:Q", format=".3f"),
                  alt.Tooltip("observed_s:Q", format=".3f")])
-    return alt.layer(band, identity, err, points).properties(
-        autosize=PAD, width=380, height=380, title=f"observed vs predicted downtime (band: +-{tol:.0%})")
+    ftol = comparison.get("tolerances", {}).get("fault_rel_tol")
+    each = f"; each fault may be off by {ftol:.0%}" if ftol is not None and ftol != tol else ""
+    title = alt.TitleParams(
+        f"observed vs predicted downtime (band: +-{tol:.0%})",
+        subtitle=["dot: one runtime repetition of a fault (colour: its class)",
+                  "horizontal bar: the twin's 95% interval for that fault",
+                  "dashed line: observed = predicted",
+                  f"green band: within +-{tol:.0%} (the median's tolerance{each})"],
+        subtitleColor="#555", anchor="start")
+    return alt.layer(band, identity, err, points).properties(autosize=PAD, width=380, height=380, title=title)
 
 
 def residual_chart(comparison: dict[str, Any]) -> alt.LayerChart:
@@ -275,4 +342,7 @@ def residual_chart(comparison: dict[str, Any]) -> alt.LayerChart:
         color=alt.Color("class:N", scale=_scale(FAULT_COLOURS), legend=None),
         tooltip=["fault_id:Q", "target:N", "rep:Q", alt.Tooltip("rel_residual:Q", format=".1%"),
                  alt.Tooltip("residual_s:Q", format=".3f")])
-    return alt.layer(band, zero, points).properties(autosize=PAD, width=320, height=380, title="residuals by fault class")
+    title = alt.TitleParams("residuals by fault class",
+                            subtitle=["dot: one runtime repetition of a fault", "dashed line: no error",
+                                      f"green band: within +-{tol:.0%}"], subtitleColor="#555", anchor="start")
+    return alt.layer(band, zero, points).properties(autosize=PAD, width=320, height=380, title=title)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,34 +50,89 @@ class RunDir:
     kind: str
     label: str
     mtime: float
+    parent: Path | None = None  # the job this directory is part of (a validation's twin/, rep-K/)
+
+    @property
+    def is_job(self) -> bool:
+        return self.parent is None
+
+
+_MARKERS = {"validation": "comparison.json", "run": rundir.SUMMARY, "plan": "plan.json"}
 
 
 def list_runs(root: str | Path, kinds: Sequence[str] = RUN_KINDS, depth: int = 3) -> list[RunDir]:
-    """Run, validation and plan directories under `root`, newest first. A validation's own
-    `twin/` and `runtime/rep-K/` are listed as runs too (they are)."""
+    """Run, validation and plan directories under `root`, grouped by job: the jobs (those
+    inside no other) newest first, each followed by its parts, a validation's twin/ and
+    runtime/rep-K/ (in that order) or whatever job lies inside another. `kinds` filters
+    the list, not the grouping."""
     root = Path(root)
-    found: list[RunDir] = []
+    groups: list[list[RunDir]] = []
     if not root.is_dir():
-        return found
+        return []
+
+    def entry(p: Path, kind: str, parent: Path | None) -> RunDir:
+        label = str(p.relative_to(root)) if p != root else p.name
+        return RunDir(p, kind, label, (p / _MARKERS[kind]).stat().st_mtime, parent)
+
+    def children(p: Path) -> list[Path]:
+        try:
+            return sorted(c for c in p.iterdir() if c.is_dir() and c.name != "checkpoints")
+        except OSError:
+            return []
+
+    def parts(job: Path, p: Path, level: int, out: list[RunDir]) -> None:
+        if level >= depth + 2:
+            return
+        for c in children(p):
+            kind = dir_kind(c)
+            if kind is not None:
+                out.append(entry(c, kind, job))
+            parts(job, c, level + 1, out)
 
     def walk(p: Path, level: int) -> None:
         kind = dir_kind(p)
-        if kind in kinds:
-            marker = {"validation": "comparison.json", "run": rundir.SUMMARY, "plan": "plan.json"}[kind]
-            label = str(p.relative_to(root)) if p != root else p.name
-            found.append(RunDir(p, kind, label, (p / marker).stat().st_mtime))
+        if kind is not None:
+            group = [entry(p, kind, None)]
+            if kind == "validation":
+                subs = validation_runs(p)
+                group += [entry(sub, "run", p) for sub in subs.values()]
+                seen = set(subs.values())
+                extra: list[RunDir] = []
+                parts(p, p, level, extra)
+                group += [r for r in extra if r.path not in seen]
+            else:
+                parts(p, p, level, group)
+            groups.append(group)
+            return
         if level >= depth:
             return
-        try:
-            children = sorted(c for c in p.iterdir() if c.is_dir() and c.name != "checkpoints")
-        except OSError:
-            return
-        for c in children:
+        for c in children(p):
             walk(c, level + 1)
 
     walk(root, 0)
-    found.sort(key=lambda r: (-r.mtime, r.label))
-    return found
+    groups.sort(key=lambda g: (-max(r.mtime for r in g), g[0].label))
+    return [r for g in groups for r in g if r.kind in kinds]
+
+
+def jobs_first(runs: Sequence[RunDir]) -> list[RunDir]:
+    """The same list with the jobs before the parts (for a picker's default: the newest job,
+    never a validation's repetition)."""
+    return sorted(runs, key=lambda r: not r.is_job)
+
+
+def runs_table(runs: Sequence[RunDir]) -> list[dict[str, Any]]:
+    """The Runs page's table: one row per directory, a job's parts indented under it."""
+    import datetime as dt
+    labels = {r.path: r.label for r in runs}
+    rows = []
+    for r in runs:
+        part = r.parent is not None
+        name = str(r.path.relative_to(r.parent)) if part else r.label
+        rows.append({"job": ("    ↳ " + name) if part else name, "kind": r.kind,
+                     "part of": labels.get(r.parent, str(r.parent)) if part else "",
+                     "written": dt.datetime.fromtimestamp(r.mtime).strftime("%Y-%m-%d %H:%M:%S"),
+                     "path": str(r.path)})
+    return rows
 
 
 def mtime(path: str | Path) -> float:
@@ -182,11 +238,30 @@ def checkpoint_rows(infos: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def checkpoint_runs(root: str | Path) -> list[RunDir]:
-    """Run directories under `root` that hold a `checkpoints/` folder."""
-    return [r for r in list_runs(root, kinds=("run",)) if (r.path / "checkpoints").is_dir()]
+    """Run directories under `root` that hold a `checkpoints/` folder: the jobs newest
+    first, then the parts of jobs (a validation's repetitions)."""
+    return jobs_first([r for r in list_runs(root, kinds=("run",)) if (r.path / "checkpoints").is_dir()])
 
 
 # ----------------------------------------------------------------------------- tables
+
+MISSING = "\u2013"  # an en dash: what a table shows where a figure does not apply
+
+
+def fmt(x: Any, spec: str = ".4g", minus: float = 0.0, suffix: str = "") -> str:
+    """A figure for a tile or a table cell; MISSING for None or NaN, never 'None'."""
+    if x is None or isinstance(x, bool) or (isinstance(x, float) and not math.isfinite(x)):
+        return MISSING
+    if spec.endswith("d") and not float(x).is_integer():
+        spec = ".3g"  # a count averaged over replicas
+    elif spec.endswith("d"):
+        x = int(x)
+    return format(x - minus if minus else x, spec) + suffix
+
+
+def verdict_text(passed: bool | None) -> str:
+    return {True: "pass", False: "fail"}.get(passed, "not judged")
+
 
 FAULT_COLUMNS = ("fault_id", "class", "target", "action", "at_step", "t", "downtime_s", "cost_s", "lost_steps")
 
@@ -196,9 +271,40 @@ def fault_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: f.get(k) for k in FAULT_COLUMNS} for f in summary.get("faults", [])]
 
 
-def fault_trace(summary: dict[str, Any]) -> list[tuple[str, str, int]]:
-    """(class, target, at_step) of each fault: what two policies on one seed should share."""
-    return [(f.get("class"), f.get("target"), f.get("at_step")) for f in summary.get("faults", [])]
+def fault_table(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-fault table for display: units in the headers, no empty figure shown as None."""
+    return [{"fault": f.get("fault_id"), "class": f.get("class") or MISSING, "target": f.get("target") or MISSING,
+             "action": f.get("action") or MISSING, "at step": fmt(f.get("at_step"), "d"),
+             "time (s)": fmt(f.get("t"), ".1f"), "downtime (s)": fmt(f.get("downtime_s"), ".3f"),
+             "cost (s)": fmt(f.get("cost_s"), ".3f"), "lost steps": fmt(f.get("lost_steps"), "d")}
+            for f in summary.get("faults", [])]
+
+
+def fault_trace(summary: dict[str, Any]) -> list[tuple[Any, str, str]]:
+    """(fault_id, class, target) of each fault: what two policies on one seed share. The
+    step a fault strikes at is not part of it: a drawn fault falls at a wall-clock time,
+    which a policy that runs faster or slower reaches at another step."""
+    return [(f.get("fault_id"), f.get("class"), f.get("target")) for f in summary.get("faults", [])]
+
+
+def same_faults_text(summaries: dict[str, dict[str, Any]], limit: int = 6) -> str | None:
+    """'Both policies met the same 4 faults: ...' (each with its step per policy where they
+    differ), or None where the traces differ."""
+    traces = [fault_trace(s) for s in summaries.values()]
+    if len(traces) < 2 or any(t != traces[0] for t in traces):
+        return None
+    steps = [[f.get("at_step") for f in s.get("faults", [])] for s in summaries.values()]
+    labels = [label.split(":")[0] for label in summaries]
+    items = []
+    for i, (_, cls, target) in enumerate(traces[0][:limit]):
+        at = [st[i] for st in steps]
+        when = (f"at step {at[0]}" if len(set(at)) == 1
+                else "at steps " + " / ".join(f"{a} ({lab})" for a, lab in zip(at, labels)))
+        items.append(f"{cls} on {target} {when}")
+    n = len(traces[0])
+    who = "Both policies" if len(traces) == 2 else "All runs"
+    return (f"{who} met the same {n} fault{'s' * (n != 1)}: " + "; ".join(items)
+            + (" ..." if n > limit else "") + ".")
 
 
 def headline(summary: dict[str, Any]) -> dict[str, Any]:
@@ -252,6 +358,29 @@ def comparison_rows(comparison: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+_ROW_NAMES = {"wall_s": "wall time (s)", "goodput": "goodput (fraction)", "downtime (median)": "downtime, median over faults",
+              "emulation": "emulation: late step reports"}
+
+
+def comparison_table(comparison: dict[str, Any]) -> list[dict[str, Any]]:
+    """`comparison_rows` for display (the dashboard and the report): the unit of each row's
+    figures in its name, errors and tolerances in %, a pass column (pass, fail, or not
+    judged where no tolerance is declared), and no empty cell shown as None."""
+    out = []
+    for r in comparison_rows(comparison):
+        name = r["row"]
+        if name.startswith("fault "):
+            name = f"{name}: downtime (s)"
+        goodput = r["row"] == "goodput"
+        spec = ".3f" if goodput else ".2f"
+        out.append({"row": _ROW_NAMES.get(name, name), "class": r["class"] or MISSING, "target": r["target"] or MISSING,
+                    "predicted": fmt(r["predicted"], spec), "observed": fmt(r["observed"], spec),
+                    "error (%)": fmt(None if r["rel_err"] is None else 100 * r["rel_err"], ".1f"),
+                    "tolerance (%)": MISSING if r["tolerance"] is None else f"{100 * r['tolerance']:g}",
+                    "pass": verdict_text(r["pass"]), "error of": r["error of"]})
+    return out
+
+
 def parity_rows(comparison: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (fault, repetition): predicted downtime with the twin's interval and the
     observed downtime of that repetition. Falls back to the observed mean when there are no
@@ -276,26 +405,52 @@ def parity_rows(comparison: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plan_rows(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    """The ranked table: trials by goodput (desc) then cost (asc), flagged pareto /
-    recommended / baseline."""
+    """The ranked table: candidates by goodput (desc) then cost (asc), flagged pareto /
+    recommended / baseline. The recommended and the baseline are found by their `number`
+    (plans written before they carried one: the first candidate with the same policy)."""
+    trials = [t for t in plan.get("trials", []) if isinstance(t, dict)]
     pareto_numbers = {p.get("number") for p in plan.get("pareto", []) if isinstance(p, dict)}
-    rec = policy_of(plan.get("recommended") or {})
+    chosen: dict[str, Any] = {}
+    for tag in ("recommended", "baseline"):
+        entry = plan.get(tag) or {}
+        if entry.get("number") is not None:
+            chosen[tag] = entry["number"]
+        else:
+            policy = policy_of(entry)
+            chosen[tag] = next((t.get("number") for t in trials if policy and t.get("policy") == policy), None)
     rows = []
-    for t in plan.get("trials", []):
+    for t in trials:
         ci = t.get("goodput_ci95") or [None, None]
         rows.append({
             "number": t.get("number"), "goodput": t.get("goodput"),
             "goodput_lo": ci[0], "goodput_hi": ci[1],
             "cost_node_hours_per_step": t.get("cost_node_hours_per_step"),
             "pareto": t.get("number") in pareto_numbers,
-            "recommended": bool(rec) and t.get("policy") == rec,
-            "source": t.get("source"),
+            "recommended": t.get("number") == chosen["recommended"],
+            "baseline": t.get("number") == chosen["baseline"],
+            "source": t.get("source") or MISSING,
             "policy": policy_text(t.get("policy", {})),
         })
-    rows.sort(key=lambda r: (-(r["goodput"] or 0.0), r["cost_node_hours_per_step"] or 0.0))
+    rows.sort(key=lambda r: (-(r["goodput"] or 0.0), r["cost_node_hours_per_step"] or 0.0, r["number"] or 0))
     for rank, r in enumerate(rows, 1):
         r["rank"] = rank
     return rows
+
+
+def plan_table(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """`plan_rows` for display: units in the headers, no None."""
+    return [{"rank": r["rank"], "#": r["number"], "goodput": fmt(r["goodput"], ".4f"),
+             "goodput 95% interval": (f"{r['goodput_lo']:.4f} - {r['goodput_hi']:.4f}"
+                                      if r["goodput_lo"] is not None and r["goodput_hi"] is not None else MISSING),
+             "cost (node-h / useful step)": fmt(r["cost_node_hours_per_step"], ".5f"),
+             "Pareto front": r["pareto"], "recommended": r["recommended"], "baseline": r["baseline"],
+             "source": r["source"], "policy": r["policy"] or "(the scenario's own)"} for r in plan_rows(plan)]
+
+
+def plan_counts(plan: dict[str, Any]) -> str:
+    """How many candidates and where they came from, as `keel plan` prints it."""
+    from planner.search import counts_text
+    return counts_text(plan)
 
 
 def policy_of(entry: dict[str, Any]) -> dict[str, Any]:
@@ -462,3 +617,88 @@ def cached_plan(path: str | Path) -> dict[str, Any]:
     f = _wrappers.setdefault("plan", _cached(_plan_cached, 8))
     p = Path(path)
     return f(str(path), mtime(p / "plan.json" if p.is_dir() else p))
+
+
+# ----------------------------------------------------------------------------- topology edits
+# Adding or removing a region or a link changes the lists the scenario's dotted keys index
+# into, so these edit the resolved scenario (a plain dict, `Scenario.plain()`) and the
+# result is checked by the schema (`keel.scenario.from_dict`) like any file.
+
+def _node_region(target: str | None) -> str | None:
+    return target.split("/", 1)[0] if target and "/" in target and not target.startswith("shard/") else target
+
+
+def remove_region(plain: dict[str, Any], name: str) -> dict[str, Any]:
+    """Without region `name`: its links and the scheduled faults that target it or its nodes go too."""
+    out = json.loads(json.dumps(plain))
+    out["regions"] = [r for r in out["regions"] if r["name"] != name]
+    out["links"] = [link for link in out.get("links", []) if name not in (link["a"], link["b"])]
+    faults = out.get("faults", {})
+    if "schedule" in faults:
+        faults["schedule"] = [e for e in faults["schedule"] if _node_region(e.get("target")) != name]
+    return out
+
+
+def add_region(plain: dict[str, Any], name: str, nodes: int, link_to: str | None,
+               rtt_ms: float, gbit_s: float) -> dict[str, Any]:
+    """With a new region `name` of `nodes` nodes (the other keys as the first region has
+    them), linked to `link_to`. The new region goes before the last one, so the hot spares
+    (the last nodes in scenario order) stay where they were."""
+    out = json.loads(json.dumps(plain))
+    template = {k: v for k, v in out["regions"][0].items() if k not in ("name", "nodes")} if out["regions"] else {}
+    region = {**template, "name": name.strip(), "nodes": int(nodes)}
+    out["regions"].insert(max(0, len(out["regions"]) - 1), region)
+    if link_to:
+        out.setdefault("links", []).append(_link(out, name.strip(), link_to, rtt_ms, gbit_s))
+    return out
+
+
+def _link(plain: dict[str, Any], a: str, b: str, rtt_ms: float, gbit_s: float) -> dict[str, Any]:
+    template = dict(plain["links"][0]) if plain.get("links") else {}
+    return {**template, "a": a, "b": b, "rtt_ms": float(rtt_ms), "gbit_s": float(gbit_s)}
+
+
+def add_link(plain: dict[str, Any], a: str, b: str, rtt_ms: float, gbit_s: float) -> dict[str, Any]:
+    out = json.loads(json.dumps(plain))
+    out.setdefault("links", []).append(_link(out, a, b, rtt_ms, gbit_s))
+    return out
+
+
+def remove_link(plain: dict[str, Any], a: str, b: str) -> dict[str, Any]:
+    out = json.loads(json.dumps(plain))
+    out["links"] = [link for link in out.get("links", []) if {link["a"], link["b"]} != {a, b}]
+    return out
+
+
+def structure_changes(before: Scenario, after: Scenario) -> list[str]:
+    """Regions and links added or removed, in words, then the other keys that differ (as
+    `keel.scenario.diff_configs` words them, over the regions and links both have)."""
+    from keel.scenario import diff_configs
+    old, new = before.to_dict(), after.to_dict()
+    lines = []
+    names_old, names_new = [r["name"] for r in old["regions"]], [r["name"] for r in new["regions"]]
+    lines += [f"region {n} added ({after.region(n).nodes} nodes)" for n in names_new if n not in names_old]
+    lines += [f"region {n} removed" for n in names_old if n not in names_new]
+    pair = lambda link: frozenset((link["a"], link["b"]))  # noqa: E731
+    links_old, links_new = {pair(x): x for x in old["links"]}, {pair(x): x for x in new["links"]}
+    lines += [f"link {x['a']} - {x['b']} added ({x['rtt_ms']:g} ms, {x['gbit_s']:g} Gbit/s)"
+              for k, x in links_new.items() if k not in links_old]
+    lines += [f"link {x['a']} - {x['b']} removed" for k, x in links_old.items() if k not in links_new]
+    sched_old, sched_new = old["faults"]["schedule"], new["faults"]["schedule"]
+    if len(sched_new) < len(sched_old):
+        gone = [e for e in sched_old if e not in sched_new]
+        lines += [f"scheduled fault removed: {e['class']} on {e['target']} at step {e['at_step']}" for e in gone]
+    # the rest, keyed by name where the lists changed
+    for key, by in (("regions", "name"), ("links", None)):
+        ident = (lambda x, by=by: x[by] if by else pair(x))
+        if [ident(x) for x in old[key]] != [ident(x) for x in new[key]]:
+            common_old = {ident(x): x for x in old[key]}
+            common_new = {ident(x): x for x in new[key]}
+            for k in common_old.keys() & common_new.keys():
+                label = k if by else "-".join(sorted(k))
+                lines += [f"{key}[{label}] {c}" for c in diff_configs(common_old[k], common_new[k], "")]
+            old, new = {**old, key: []}, {**new, key: []}
+    if sched_old != sched_new and len(sched_old) != len(sched_new):
+        old = {**old, "faults": {**old["faults"], "schedule": []}}
+        new = {**new, "faults": {**new["faults"], "schedule": []}}
+    return lines + diff_configs(old, new)

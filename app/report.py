@@ -117,9 +117,9 @@ th { background: #f4f4f4; } td.text { text-align: left; }
 
 
 def _cell(v: Any) -> str:
-    if v is True:
+    if v is True or v == "pass":
         return '<td class="pass">pass</td>'
-    if v is False:
+    if v is False or v == "fail":
         return '<td class="fail">fail</td>'
     if v is None:
         return "<td></td>"
@@ -170,7 +170,7 @@ def run_sections(path: Path) -> tuple[str, list[Section]]:
         ("timeline", charts.timeline_chart(events, summary, title=f"{label}: {path.name}")),
         ("progress", charts.progress_chart({label: events})),
         ("downtime per fault", charts.downtime_chart({label: summary})),
-        ("faults", data.fault_rows(summary)),
+        ("faults", data.fault_table(summary)),
     ] + checkpoint_sections(path)
 
 
@@ -188,6 +188,10 @@ def checkpoint_sections(path: Path) -> list[Section]:
     return [("checkpoints, verified by the reference reader", rows)]
 
 
+def _pct(x: float | None) -> float | None:
+    return None if x is None else 100 * x
+
+
 def validation_sections(path: Path) -> tuple[str, list[Section]]:
     from app import charts, data
     comparison = data.load_comparison(path)
@@ -196,13 +200,14 @@ def validation_sections(path: Path) -> tuple[str, list[Section]]:
     title = f"{comparison.get('scenario', path.name)}: predicted vs observed recovery"
     sections: list[Section] = [
         ("verdict", [{"repetitions": comparison.get("repetitions"),
-                      "downtime_median_rel_err": comparison.get("downtime_median_rel_err"),
-                      "downtime_rel_tol": comparison["tolerances"].get("downtime_rel_tol"),
-                      "wall_rel_tol": comparison["tolerances"].get("wall_rel_tol"),
-                      "downtime": verdict.get("downtime"), "wall": verdict.get("wall"), "all": verdict.get("all")}]),
+                      "downtime: median error (%)": data.fmt(_pct(comparison.get("downtime_median_rel_err")), ".1f"),
+                      "downtime tolerance (%)": data.fmt(_pct(comparison["tolerances"].get("downtime_rel_tol")), "g"),
+                      "wall time tolerance (%)": data.fmt(_pct(comparison["tolerances"].get("wall_rel_tol")), "g"),
+                      "downtime": data.verdict_text(verdict.get("downtime")), "wall": data.verdict_text(verdict.get("wall")),
+                      "all": data.verdict_text(verdict.get("all"))}]),
         ("parity", charts.parity_chart(comparison)),
         ("residuals", charts.residual_chart(comparison)),
-        ("errors against the declared tolerances", data.comparison_rows(comparison)),
+        ("errors against the declared tolerances", data.comparison_table(comparison)),
     ]
     if runs:
         offsets = data.launch_offsets(comparison, list(runs))

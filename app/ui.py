@@ -43,6 +43,7 @@ def init_state() -> None:
     s.setdefault("runs_root", str(data.runs_root()))
     s.setdefault("scenario_path", str(DEFAULT_SCENARIO))
     s.setdefault("scenario_text", None)       # TOML text of the loaded scenario file
+    s.setdefault("scenario_reshaped", None)   # the scenario with regions/links added or removed (Topology), plain
     s.setdefault("scenario_overrides", [])    # dotted key=value edits over it (Topology)
     s.setdefault("sim_results", {})          # label -> {"events", "summary", "overrides"}
     s.setdefault("policy_b", None)            # {dotted key: value}, sent from Plan
@@ -59,7 +60,7 @@ def sidebar() -> None:
                       help="where `keel simulate/run/validate/plan --out` wrote their results (env KEEL_RUNS)")
         scn = current_scenario_or_none()
         if scn is not None:
-            edits = len(st.session_state.get("scenario_overrides") or [])
+            edits = len(st.session_state.get("scenario_overrides") or []) + bool(st.session_state.get("scenario_reshaped"))
             st.caption(f"scenario: **{scn.run.name}** ({Path(scn.source).name}"
                        + (f", {edits} edit{'s' * (edits != 1)}" if edits else "") + ")")
 
@@ -89,17 +90,41 @@ def load_scenario_file(path: str | Path) -> None:
     sc.loads(text, str(path))  # check before adopting it
     st.session_state["scenario_path"] = str(path)
     st.session_state["scenario_text"] = text
+    st.session_state["scenario_reshaped"] = None
+    st.session_state["scenario_overrides"] = []
+
+
+def file_scenario() -> sc.Scenario:
+    """The loaded scenario file as it is on disk."""
+    s = st.session_state
+    if s.get("scenario_text") is None:
+        load_scenario_file(s.get("scenario_path") or DEFAULT_SCENARIO)
+    return sc.loads(s["scenario_text"], s["scenario_path"])
+
+
+def base_scenario(overrides: Sequence[str] = ()) -> sc.Scenario:
+    """The loaded file with the Topology page's added or removed regions and links (the
+    base its dotted-key edits apply to), plus `overrides`."""
+    s = st.session_state
+    if s.get("scenario_reshaped") is not None:
+        return sc.from_dict(s["scenario_reshaped"], s["scenario_path"], overrides)
+    file_scenario()  # reads the file into the session on first use
+    return sc.loads(s["scenario_text"], s["scenario_path"], overrides)
+
+
+def reshape(plain: dict[str, Any]) -> None:
+    """Make `plain` (a resolved scenario with regions or links added or removed) the base
+    of the current scenario; raises ScenarioError where the schema refuses it."""
+    sc.from_dict(plain, st.session_state["scenario_path"])
+    st.session_state["scenario_reshaped"] = plain
     st.session_state["scenario_overrides"] = []
 
 
 def current_scenario(overrides: Sequence[str] | None = None) -> sc.Scenario:
     """The scenario the pages work on: the loaded file with the Topology edits, plus
     `overrides` on top. Raises ScenarioError for edits the schema refuses."""
-    s = st.session_state
-    if s.get("scenario_text") is None:
-        load_scenario_file(s.get("scenario_path") or DEFAULT_SCENARIO)
-    edits = list(s.get("scenario_overrides") or []) + list(overrides or [])
-    return sc.loads(s["scenario_text"], s["scenario_path"], edits)
+    edits = list(st.session_state.get("scenario_overrides") or []) + list(overrides or [])
+    return base_scenario(edits)
 
 
 def current_scenario_or_none() -> sc.Scenario | None:
@@ -131,6 +156,17 @@ def simulate(scenario: sc.Scenario, seed: int | None = None) -> tuple[list[Any],
     import twin
     result = twin.simulate(scenario, seed=seed)
     return list(result.events), dict(result.summary)
+
+
+def twin_headline(scenario: sc.Scenario) -> dict[str, Any]:
+    """The twin's summary of a scenario on its own seed, cached by the scenario's content."""
+    return _twin_summary_cached(sc.dumps(scenario), scenario.source)
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def _twin_summary_cached(text: str, source: str) -> dict[str, Any]:
+    _, summary = simulate(sc.loads(text, source))
+    return summary
 
 
 def save_run(events: Sequence[Any], summary: dict[str, Any], out: Path) -> Path:

@@ -41,12 +41,17 @@ def no_exception(at: AppTest) -> None:
     assert not at.exception, [e.value for e in at.exception]
 
 
+def title_text(spec: dict) -> str:
+    t = spec.get("title", "")
+    return t.get("text", "") if isinstance(t, dict) else t
+
+
 def titles(specs: list[dict]) -> list[str]:
     out = []
     for s in specs:
-        out.append(s.get("title", ""))
+        out.append(title_text(s))
         for sub in s.get("vconcat", []):
-            out.append(sub.get("title", ""))
+            out.append(title_text(sub))
     return out
 
 
@@ -74,9 +79,16 @@ def test_runs_page_lists_runs(monkeypatch, runs_root):
     at = open_app(monkeypatch, runs_root)
     no_exception(at)
     listed = at.dataframe[0].value
-    assert "handwritten-validation" in set(listed["directory"])
+    assert "handwritten-validation" in set(listed["job"])
     assert {"validation", "run"} <= set(listed["kind"])
+    # a validation's twin and repetitions are listed right under it, as parts of it
+    at_validation = list(listed["job"]).index("handwritten-validation")
+    parts = listed.iloc[at_validation + 1:at_validation + 4]
+    assert [j.strip() for j in parts["job"]] == ["\u21b3 twin", "\u21b3 runtime/rep-0", "\u21b3 runtime/rep-1"]
+    assert set(parts["part of"]) == {"handwritten-validation"}
     assert any(m.label == "verdict" for m in at.metric)
+    latest = [h.value for h in at.subheader if h.value.startswith("Latest run")]
+    assert not any("handwritten-validation" in h for h in latest)  # a job, never a validation's part
 
 
 # ----------------------------------------------------------------------------- Topology
@@ -183,6 +195,7 @@ def test_plan_page_shows_the_front_and_sends_a_policy_to_simulate(monkeypatch, r
     assert "recovery policies: goodput against cost" in titles(charts(at))
     ranked = at.dataframe[0].value
     assert list(ranked["rank"]) == [1, 2, 3, 4, 5] and ranked["recommended"].sum() == 1
+    assert ranked["baseline"].sum() == 1 and not (ranked.astype(str) == "None").any().any()
     at.button(key="plan_send_recommended").click().run()
     no_exception(at)
     assert at.session_state["policy_b"] == {"policy.hot_spares": 2, "checkpoint.interval_steps": 200, "policy.kind": "absorb"}
@@ -195,7 +208,11 @@ def test_plan_page_over_a_real_plan(monkeypatch, runs_root):
     plan_dir = need(plan_run(runs_root))
     at = _plan_page(monkeypatch, runs_root, plan_dir)
     assert "recovery policies: goodput against cost" in titles(charts(at))
-    assert len(at.dataframe[0].value) >= 4
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    ranked = at.dataframe[0].value
+    assert len(ranked) == len(plan["trials"]) >= 4 and ranked["recommended"].sum() == 1
+    counts = next(h.value for h in at.subheader if "candidates" in h.value)
+    assert f"{len(plan['trials'])} candidates" in counts  # as `keel plan` prints it
     at.selectbox(key="plan_trial").select_index(1).run()
     at.button(key="plan_send_trial").click().run()
     no_exception(at)
@@ -231,14 +248,16 @@ def _compare(monkeypatch, root: Path, validation: Path) -> AppTest:
 def test_compare_page_over_a_handwritten_validation(monkeypatch, runs_root):
     at = _compare(monkeypatch, runs_root, handwritten_validation(runs_root))
     specs = charts(at)
-    parity = next(s for s in specs if str(s.get("title", "")).startswith("observed vs predicted"))
+    parity = next(s for s in specs if title_text(s).startswith("observed vs predicted"))
     points = next(la for la in parity["layer"] if la["mark"].get("type") == "point")
     assert len(points["data"]["values"]) == 8  # 4 faults x 2 repetitions
     assert "residuals by fault class" in titles(specs)
     assert ["twin", "rep-0", "rep-1"] == [v["title"].split()[0] for v in next(s for s in specs if "vconcat" in s)["vconcat"]]
     table = at.dataframe[0].value
     jitter = table[table["class"] == "network_jitter"].iloc[0]
-    assert not jitter["pass"] and jitter["rel_err"] > 0.2
+    assert jitter["pass"] == "fail" and float(jitter["error (%)"]) > 20
+    assert {"predicted", "observed", "error (%)", "tolerance (%)", "pass"} <= set(table.columns)
+    assert not (table.astype(str) == "None").any().any()
     assert any("outside the declared tolerances" in e.value for e in at.error)
 
 

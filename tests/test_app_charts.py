@@ -183,7 +183,94 @@ def test_parity_plot_has_identity_tolerance_band_error_bars_and_every_repetition
     assert err["encoding"]["x"]["field"] == "predicted_lo" and err["encoding"]["x2"]["field"] == "predicted_hi"
     # the axes share one domain, so y = x is the diagonal
     assert layer(spec, "point")["encoding"]["x"]["scale"]["domain"] == layer(spec, "point")["encoding"]["y"]["scale"]["domain"]
-    assert "10%" in spec["title"]
+    assert "10%" in spec["title"]["text"]
+    # every mark is named: the points, the twin's interval bars, the identity line, the band
+    legend = " ".join(spec["title"]["subtitle"])
+    assert all(w in legend for w in ("dot", "horizontal bar: the twin's 95% interval", "dashed line", "green band"))
+
+
+def test_progress_sets_the_twin_apart_from_the_repetitions(validation):
+    runs = {label: data.load_run(path)[0] for label, path in data.validation_runs(validation).items()}
+    spec = charts.progress_chart(runs).to_dict()
+    enc = spec["encoding"]
+    assert enc["strokeDash"]["field"] == "source" and enc["color"]["scale"]["domain"] == ["twin", "rep-0", "rep-1"]
+    assert enc["color"]["scale"]["range"][0] == charts.TWIN_COLOUR not in enc["color"]["scale"]["range"][1:]
+    sources = {r["run"]: r["source"] for r in spec["data"]["values"]}
+    assert sources == {"twin": "predicted (twin)", "rep-0": "observed (runtime)", "rep-1": "observed (runtime)"}
+
+
+def test_pareto_chart_zooms_on_the_front(tmp_path):
+    plan = json.loads((handwritten_plan(tmp_path) / "plan.json").read_text())
+    outlier = {"number": 9, "source": "tpe", "policy": {"policy.hot_spares": 0, "policy.kind": "absorb"},
+               "goodput": 0.60, "goodput_ci95": [0.59, 0.61], "cost_node_hours_per_step": 0.0147}
+    plan["trials"].append(outlier)
+    spec = charts.pareto_chart(plan).to_dict()
+    ydom = layer(spec, "circle")["encoding"]["y"]["scale"]["domain"]
+    assert 0.7 < ydom[0] < 0.78 and ydom[1] < 0.96  # the front, the recommended and the baseline; not 0.60
+    assert 9 not in {r["number"] for r in layer(spec, "circle")["data"]["values"]}
+    assert any("1 of 6 candidates lie outside" in t for t in spec["title"]["subtitle"])
+
+
+def test_plan_rows_mark_one_recommended_by_number():
+    plan = {"recommended": {"number": 2, "policy.kind": "absorb", "goodput": 0.9},
+            "baseline": {"number": 0, "policy.kind": "checkpoint_restart", "goodput": 0.8}, "pareto": [{"number": 2}],
+            "trials": [{"number": n, "policy": {"policy.kind": "absorb"}, "goodput": g, "cost_node_hours_per_step": 1.0}
+                       for n, g in ((0, 0.8), (1, 0.9), (2, 0.9))]}
+    rows = data.plan_rows(plan)
+    assert [r["number"] for r in rows if r["recommended"]] == [2] and [r["number"] for r in rows if r["baseline"]] == [0]
+    assert all(r["recommended"] == r["pareto"] for r in rows)
+    table = data.plan_table(plan)
+    assert "cost (node-h / useful step)" in table[0] and all("None" not in map(str, r.values()) for r in table)
+
+
+def test_topology_link_labels_do_not_overlap():
+    for s in (sc.load(DEFAULT), sc.load(LOCAL)):
+        f = charts.topology_frames(s)
+        boxes = [charts._box(la["mx"], la["my"], len(la["label"])) for la in f["links"]]
+        assert not any(charts._overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def test_regions_and_links_added_and_removed():
+    s = sc.load(DEFAULT)
+    plain = data.add_region(s.plain(), "sa-east", 6, "us-east", 120.0, 100.0)
+    plain = data.remove_region(plain, "eu-west")
+    plain = data.remove_link(plain, "us-east", "us-west")
+    plain = data.add_link(plain, "sa-east", "ap-southeast", 300.0, 50.0)
+    edited = sc.from_dict(plain, "edited")
+    assert [r.name for r in edited.regions] == ["us-east", "us-west", "sa-east", "ap-southeast"]
+    assert edited.node_names[-2:] == s.node_names[-2:]  # the hot spares stay the last nodes
+    assert {frozenset((x.a, x.b)) for x in edited.links} == {
+        frozenset(p) for p in [("us-west", "ap-southeast"), ("us-east", "ap-southeast"), ("sa-east", "us-east"),
+                               ("sa-east", "ap-southeast")]}
+    assert all(e.target != "eu-west" for e in edited.faults.schedule) and len(edited.faults.schedule) == 3
+    changes = data.structure_changes(s, edited)
+    assert "region sa-east added (6 nodes)" in changes and "region eu-west removed" in changes
+    assert "link us-east - us-west removed" in changes and "link sa-east - ap-southeast added (300 ms, 50 Gbit/s)" in changes
+    with pytest.raises(InputError, match="not connected"):
+        sc.from_dict(data.remove_link(data.remove_link(plain, "sa-east", "us-east"), "sa-east", "ap-southeast"), "x")
+
+
+def test_two_policies_meet_the_same_faults_at_other_steps():
+    a = {"faults": [{"fault_id": 0, "class": "hardware_fault", "target": "a/1", "at_step": 4},
+                    {"fault_id": 1, "class": "network_jitter", "target": "b/0", "at_step": 2441}]}
+    b = {"faults": [{"fault_id": 0, "class": "hardware_fault", "target": "a/1", "at_step": 4},
+                    {"fault_id": 1, "class": "network_jitter", "target": "b/0", "at_step": 2260}]}
+    text = data.same_faults_text({"A: absorb": a, "B: checkpoint_restart": b})
+    assert text.startswith("Both policies met the same 2 faults") and "at steps 2441 (A) / 2260 (B)" in text
+    c = {"faults": a["faults"][:1]}
+    assert data.same_faults_text({"A": a, "B": c}) is None
+
+
+def test_display_tables_say_no_none(validation):
+    comparison = data.load_comparison(validation)
+    table = data.comparison_table(comparison)
+    assert all("None" not in map(str, r.values()) for r in table)
+    assert {r["pass"] for r in table} <= {"pass", "fail", "not judged"}
+    good = next(r for r in table if r["row"].startswith("goodput"))
+    assert good["pass"] == "not judged" and good["tolerance (%)"] == data.MISSING
+    summary = data.load_run(validation / "twin")[1]
+    rows = data.fault_table({**summary, "faults": [{**summary["faults"][0], "action": None, "cost_s": None}]})
+    assert rows[0]["action"] == data.MISSING and rows[0]["cost (s)"] == data.MISSING and "downtime (s)" in rows[0]
 
 
 def test_residuals_by_class_with_band(validation):

@@ -17,6 +17,11 @@ from test_app_runs import REPO, checkpointed_run, handwritten_plan, handwritten_
 __all__ = ["runs_root"]
 
 
+def title_text(spec: dict) -> str:
+    t = spec.get("title", "")
+    return t.get("text", "") if isinstance(t, dict) else t
+
+
 def specs(html: str) -> list[dict]:
     return [json.loads(m.replace("<\\/", "</"))
             for m in re.findall(r'<script type="application/json" id="spec-\d+">(.*?)</script>', html, re.S)]
@@ -35,7 +40,7 @@ def test_report_of_a_validation(runs_root, tmp_path):
     assert keel_main(["report", str(validation), "--html", str(out)]) == 0
     html = out.read_text()
     assert_offline(html)
-    titles = [s.get("title") for s in specs(html)]
+    titles = [title_text(s) for s in specs(html)]
     assert titles[:2] == ["observed vs predicted downtime (band: +-10%)", "residuals by fault class"]
     assert [c["title"].split()[0] for c in specs(html)[2]["vconcat"]] == ["twin", "rep-0", "rep-1"]
     assert "launch 0.8 s before 0" in specs(html)[2]["vconcat"][1]["title"]
@@ -48,7 +53,7 @@ def test_report_of_a_plan_defaults_to_dir_report_html(runs_root):
     assert keel_main(["report", str(plan)]) == 0
     html = (plan / "report.html").read_text()
     assert_offline(html)
-    assert [s["title"] for s in specs(html)] == ["recovery policies: goodput against cost"]
+    assert [title_text(s) for s in specs(html)] == ["recovery policies: goodput against cost"]
     assert "recommended against the baseline" in html
 
 
@@ -62,7 +67,7 @@ def test_report_of_a_twin_run(runs_root, tmp_path):
     assert proc.stdout == "" and "wrote" in proc.stderr
     html = out.read_text()
     assert_offline(html)
-    assert {"progress", "downtime per fault"} <= {s.get("title") for s in specs(html)}
+    assert {"progress", "downtime per fault"} <= {title_text(s) for s in specs(html)}
     summary = json.loads((run / "summary.json").read_text())
     assert f"{summary['goodput']:.4g}" in html
 

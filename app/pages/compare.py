@@ -27,16 +27,15 @@ st.caption(f"{comparison.get('scenario')}: {comparison.get('repetitions')} runti
            f"calibration `{comparison.get('calibration') or 'none'}`, config hash `{str(comparison.get('config_hash'))[:16]}`")
 cols = st.columns(4)
 median = comparison.get("downtime_median_rel_err")
-cols[0].metric("downtime: median rel. error", "n/a" if median is None else f"{median:.1%}",
-               help=f"declared tolerance {tol.get('downtime_rel_tol', float('nan')):.0%}")
+cols[0].metric("downtime: median rel. error", data.fmt(median, ".1%"),
+               help=f"declared tolerance {data.fmt(tol.get('downtime_rel_tol'), '.0%')}")
 wall = comparison.get("wall_s") or {}
-cols[1].metric("wall time: rel. error", "n/a" if wall.get("rel_err") is None else f"{wall['rel_err']:.1%}",
-               help=f"declared tolerance {tol.get('wall_rel_tol', float('nan')):.0%}")
+cols[1].metric("wall time: rel. error", data.fmt(wall.get("rel_err"), ".1%"),
+               help=f"declared tolerance {data.fmt(tol.get('wall_rel_tol'), '.0%')}")
 good = comparison.get("goodput") or {}
-cols[2].metric("goodput predicted / observed",
-               "n/a" if good.get("predicted") is None else f"{good['predicted']:.3f} / {good.get('observed', float('nan')):.3f}")
+cols[2].metric("goodput predicted / observed", f"{data.fmt(good.get('predicted'), '.3f')} / {data.fmt(good.get('observed'), '.3f')}")
 overall = verdict.get("all")
-cols[3].metric("verdict", {True: "pass", False: "fail", None: "n/a"}[overall])
+cols[3].metric("verdict", data.verdict_text(overall))
 if overall is False:
     failed = [k for k, v in verdict.items() if v is False and k != "all"]
     st.error(f"outside the declared tolerances: {', '.join(failed) or 'see the table'}")
@@ -48,7 +47,11 @@ with right:
     st.altair_chart(charts.residual_chart(comparison), width="content")
 
 st.subheader("errors against the declared tolerances")
-st.dataframe(data.comparison_rows(comparison), hide_index=True)
+st.caption("Each row's figures are in the unit its name gives; errors and tolerances are relative, in %; "
+           "'not judged' where no tolerance is declared.")
+table = data.comparison_table(comparison)
+st.dataframe(table, hide_index=True, column_order=[c for c in table[0] if c != "error of"] + ["error of"] if table else None,
+             column_config={"pass": st.column_config.TextColumn("pass", width="small")})
 
 if runs:
     st.subheader("timelines: the twin above the runtime's repetitions")
@@ -58,5 +61,6 @@ if runs:
                    "model, is shifted before 0, as the validation excluded it from the wall time.")
     st.altair_chart(charts.aligned_timelines(runs, offsets), width="content")
     st.altair_chart(charts.progress_chart({k: ev for k, (ev, _) in runs.items()}, offsets), width="content")
+    st.caption("The twin's prediction is the thick dashed black line; each runtime repetition a thin solid one.")
 else:
     st.caption("(no twin/ or runtime/rep-K/ event logs beside comparison.json)")

@@ -17,10 +17,13 @@ st.title("Plan")
 
 
 def send(policy: dict, label: str) -> None:
+    """Policy B on Simulate: its kept values set (its widgets take them when drawn)."""
     s["policy_b"] = dict(policy)
     s["policy_b_label"] = label
-    s.pop("simulate_b_text", None)
-    s["simulate_compare"] = True
+    s["simulate_b_text"] = "\n".join(data.overrides_of(policy))
+    s["simulate_compare_on"] = True
+    for widget in ("simulate_b", "simulate_compare"):
+        s.pop(widget, None)
     st.switch_page(ui.PAGES["simulate"])
 
 
@@ -62,7 +65,8 @@ except InputError as e:
     ui.show_error(e)
     st.stop()
 
-st.subheader(f"{plan.get('scenario', picked.name)}: {len(plan.get('trials', []))} trials"
+rows = data.plan_rows(plan)
+st.subheader(f"{plan.get('scenario', picked.name)}: {data.plan_counts(plan)}"
              + (f" x {plan['replicas']} replicas" if plan.get("replicas") else ""))
 if plan.get("rule"):
     st.caption(f"recommendation rule: {plan['rule']}")
@@ -74,26 +78,32 @@ chosen = {tag: plan[tag] for tag in ("recommended", "baseline") if isinstance(pl
 cols = st.columns(len(chosen) or 1)
 for col, (tag, entry) in zip(cols, chosen.items()):
     with col:
-        st.markdown(f"**{tag}**")
+        number = next((r["number"] for r in rows if r[tag]), None)
+        st.markdown(f"**{tag}**" + (f" (candidate #{number})" if number is not None else ""))
         a, b = st.columns(2)
-        a.metric("goodput", f"{entry.get('goodput', float('nan')):.4f}",
-                 delta=(f"{entry['goodput'] - chosen['baseline']['goodput']:+.4f}"
-                        if tag == "recommended" and "baseline" in chosen else None))
-        b.metric("cost (node-h / step)", f"{entry.get('cost_node_hours_per_step', float('nan')):.4g}")
+        base_good = (chosen.get("baseline") or {}).get("goodput")
+        a.metric("goodput", data.fmt(entry.get("goodput"), ".4f"),
+                 delta=(data.fmt(entry.get("goodput"), "+.4f", minus=base_good)
+                        if tag == "recommended" and base_good is not None and entry.get("goodput") is not None else None))
+        b.metric("cost (node-h / useful step)", data.fmt(entry.get("cost_node_hours_per_step"), ".4g"))
         policy = data.policy_of(entry)
         st.code("\n".join(data.overrides_of(policy)) or "(the scenario's own policy)", language=None)
         if st.button(f"Send {tag} to Simulate", key=f"plan_send_{tag}", type="primary" if tag == "recommended" else "secondary"):
             send(policy, f"plan {tag}")
+rec_row = next((r for r in rows if r["recommended"]), None)
+if rec_row is not None and not rec_row["pareto"]:
+    fitted = (plan.get("interval_refinement") or {}).get("fitted") == rec_row["number"]
+    st.caption(f"The recommended candidate #{rec_row['number']} is not on the Pareto front"
+               + (": its checkpoint interval is the optimum of the fitted a - b/tau - c*tau, where goodput is "
+                  "flat, rather than the grid point that scored highest on these seeds." if fitted else "."))
 
 st.altair_chart(charts.pareto_chart(plan), width="content")
-rows = data.plan_rows(plan)
-st.dataframe(rows, hide_index=True, column_order=["rank", "number", "goodput", "goodput_lo", "goodput_hi",
-                                                   "cost_node_hours_per_step", "pareto", "recommended", "source", "policy"])
+st.dataframe(data.plan_table(plan), hide_index=True)
 numbers = [r["number"] for r in rows]
 if numbers:
     c1, c2 = st.columns([1, 3])
-    number = c1.selectbox("trial", numbers, key="plan_trial")
+    number = c1.selectbox("candidate", numbers, key="plan_trial", format_func=lambda n: f"#{n}")
     trial = next(t for t in plan["trials"] if t.get("number") == number)
-    c2.code("\n".join(data.overrides_of(data.policy_of(trial))), language=None)
-    if c1.button("Send this trial to Simulate", key="plan_send_trial"):
-        send(data.policy_of(trial), f"plan trial {number}")
+    c2.code("\n".join(data.overrides_of(data.policy_of(trial))) or "(the scenario's own policy)", language=None)
+    if c1.button("Send this candidate to Simulate", key="plan_send_trial"):
+        send(data.policy_of(trial), f"plan candidate #{number}")

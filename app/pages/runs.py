@@ -42,9 +42,12 @@ if not runs:
         st.rerun()
     st.stop()
 
+jobs = [r for r in runs if r.is_job]
 st.subheader(f"Runs under `{root}`")
-st.dataframe([{"directory": r.label, "kind": r.kind, "path": str(r.path)} for r in runs], hide_index=True)
-latest = next((r for r in runs if r.kind == "run"), None)
+st.caption(f"{len(jobs)} job{'s' * (len(jobs) != 1)}, newest first; the runs a job is made of "
+           "(a validation's twin and runtime repetitions) are listed under it.")
+st.dataframe(data.runs_table(runs), hide_index=True, column_config={"path": st.column_config.TextColumn(width="large")})
+latest = next((r for r in jobs if r.kind == "run"), None)
 if latest is not None:
     try:
         events, summary = data.cached_run(latest.path)
@@ -59,7 +62,7 @@ if latest is not None:
     cols[2].metric("faults", h["faults"])
     cols[3].metric("restarts", h["restarts"])
     st.altair_chart(charts.timeline_chart(events, summary, title=latest.label), width="content")
-latest_validation = next((r for r in runs if r.kind == "validation"), None)
+latest_validation = next((r for r in jobs if r.kind == "validation"), None)
 if latest_validation is not None:
     try:
         comparison = data.cached_comparison(latest_validation.path)
@@ -75,6 +78,21 @@ if latest_validation is not None:
         cols[1].metric("wall time: rel. error", "n/a" if wall is None else f"{wall:.1%}")
         cols[2].metric("faults compared", len(comparison.get("faults", [])))
         cols[3].metric("verdict", {True: "pass", False: "fail", None: "n/a"}[verdict.get("all")])
+latest_plan = next((r for r in jobs if r.kind == "plan"), None)
+if latest_plan is not None:
+    try:
+        plan = data.cached_plan(latest_plan.path)
+    except InputError as e:
+        ui.show_error(e)
+    else:
+        st.subheader(f"Latest plan: {latest_plan.label}")
+        cols = st.columns(4)
+        rec, base = plan.get("recommended") or {}, plan.get("baseline") or {}
+        cols[0].metric("candidates", len(plan.get("trials", [])))
+        cols[1].metric("recommended goodput", data.fmt(rec.get("goodput"), ".4f"))
+        cols[2].metric("baseline goodput", data.fmt(base.get("goodput"), ".4f"))
+        cols[3].metric("cost against the baseline",
+                       data.fmt((plan.get("improvement") or {}).get("cost_ratio"), "+.1%", minus=1.0))
 kinds = {r.kind for r in runs}
 st.caption("Open " + ", ".join(p for k, p in (("run", "**Simulate** for runs"), ("validation", "**Compare** for validations"),
                                                 ("plan", "**Plan** for plans")) if k in kinds)

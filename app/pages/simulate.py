@@ -30,7 +30,7 @@ def show(results: dict) -> None:
             if results[label].get("overrides"):
                 st.caption(", ".join(results[label]["overrides"]))
             a, b, c = st.columns(3)
-            a.metric("goodput", f"{h['goodput']:.4f}")
+            a.metric("goodput", data.fmt(h["goodput"], ".4f"))
             b.metric("wall", ui.seconds(h["wall_s"]))
             c.metric("restarts", h["restarts"])
     summaries = {k: v["summary"] for k, v in results.items()}
@@ -44,7 +44,7 @@ def show(results: dict) -> None:
     st.altair_chart(charts.progress_chart({k: v["events"] for k, v in results.items()}), width="content")
     for label in labels:
         st.markdown(f"**faults: {label}**")
-        st.dataframe(data.fault_rows(results[label]["summary"]), hide_index=True)
+        st.dataframe(data.fault_table(results[label]["summary"]), hide_index=True)
 
 
 if source == "open a run directory":
@@ -69,20 +69,29 @@ st.caption(f"scenario **{scenario.run.name}**: {scenario.total_nodes} nodes, {le
            f"{scenario.run.steps} steps, policy `{scenario.policy.kind}` with {scenario.policy.hot_spares} hot spares. "
            "Edit it on the Topology page.")
 
+# Widget values live under keys of their own ("simulate_b_text", "simulate_compare_on"), so
+# that Plan can set them and they survive a visit to another page; each widget is given its
+# value back through its key before it is drawn (never with `value=` as well).
+s.setdefault("simulate_b_text", "\n".join(BASELINE))
+s.setdefault("simulate_compare_on", True)
+for widget, kept in (("simulate_b", "simulate_b_text"), ("simulate_compare", "simulate_compare_on")):
+    if widget not in s:
+        s[widget] = s[kept]
 c1, c2 = st.columns([1, 3])
 with c1:
     seed = st.number_input("seed (the fault trace)", value=int(s.get("simulate_seed_value", scenario.run.seed)), step=1,
                            key="simulate_seed")
     s["simulate_seed_value"] = int(seed)
-    compare = st.checkbox("compare with policy B", value=True, key="simulate_compare")
+    compare = st.checkbox("compare with policy B", key="simulate_compare")
+    s["simulate_compare_on"] = compare
 with c2:
-    sent = s.get("policy_b")
-    default_b = "\n".join(data.overrides_of(sent)) if sent else "\n".join(BASELINE)
-    if sent:
-        st.caption(f"policy B came from Plan: {s.get('policy_b_label') or 'a trial'}")
-    text_b = st.text_area("policy B: `dotted.key=value` lines over the scenario", value=s.get("simulate_b_text", default_b),
-                          key=f"simulate_b:{hash(default_b)}", disabled=not compare, height=110)
+    text_b = st.text_area("policy B: `dotted.key=value` lines over the scenario", key="simulate_b",
+                          disabled=not compare, height=110)
     s["simulate_b_text"] = text_b
+    sent = s.get("policy_b")
+    from_plan = bool(sent) and text_b.strip() == "\n".join(data.overrides_of(sent)).strip()
+    if from_plan:
+        st.caption(f"policy B came from Plan: {s.get('policy_b_label') or 'a trial'}")
 overrides_b = [line.strip() for line in text_b.splitlines() if line.strip()]
 
 runs = {"A: " + scenario.policy.kind: []}
@@ -92,7 +101,7 @@ if compare:
     except InputError as e:
         ui.show_error(e)
         st.stop()
-    label_b = "B: " + (s.get("policy_b_label") if sent and text_b == default_b and s.get("policy_b_label") else scenario_b.policy.kind)
+    label_b = "B: " + (s.get("policy_b_label") if from_plan and s.get("policy_b_label") else scenario_b.policy.kind)
     if label_b in runs:
         label_b += " (B)"
     runs[label_b] = overrides_b
@@ -125,13 +134,14 @@ if not results:
 first = next(iter(results.values()))
 st.caption(f"{first.get('scenario')} on seed {first.get('seed')}: "
            + ", ".join(f"{k} in {v.get('elapsed_s', 0):.2f} s" for k, v in results.items()))
-traces = [data.fault_trace(r["summary"]) for r in results.values()]
-if len(traces) > 1 and all(t == traces[0] for t in traces):
-    st.caption(f"Both policies met the same {len(traces[0])} fault{'s' * (len(traces[0]) != 1)}: "
-               + ", ".join(f"{c} on {t} at step {n}" for c, t, n in traces[0][:6]) + (" ..." if len(traces[0]) > 6 else ""))
-elif len(traces) > 1:
-    st.warning("The policies met different faults on this seed (the stochastic faults fall in wall-clock time, "
-               "which the policies change); the scheduled ones are the same.")
+if len(results) > 1:
+    same = data.same_faults_text({k: r["summary"] for k, r in results.items()})
+    if same:
+        st.caption(same + " A drawn fault strikes at a wall-clock time, so a slower policy meets it at an "
+                   "earlier step.")
+    else:
+        st.warning("The policies met different faults on this seed: a policy that runs longer meets drawn "
+                   "faults the other finished before; the scheduled ones are the same.")
 show(results)
 
 with st.expander("save these runs"):

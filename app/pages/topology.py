@@ -1,7 +1,9 @@
-"""Topology: load a scenario, see the cluster as a graph grouped by region, edit it (nodes
-per region, link latency and bandwidth, fault rates, policy knobs), save it as a new file.
-Every edit is a `--set`-style override checked by the scenario schema; a refused edit shows
-the schema's message and leaves the current scenario as it was."""
+"""Topology: load a scenario, see the cluster as a graph grouped by region, edit it (add or
+remove regions and links, nodes per region, link latency and bandwidth, fault rates, policy
+knobs), see what the twin predicts for it, save it as a new file. A value edit is a
+`--set`-style override, an added or removed region or link a new base scenario; both are
+checked by the scenario schema, and a refused edit shows the schema's message and leaves the
+current scenario as it was."""
 from pathlib import Path
 
 import streamlit as st
@@ -47,11 +49,26 @@ if s.get("topology_load_error"):
     st.error(s["topology_load_error"])
 
 try:
-    ui.current_scenario()  # reads the file into the session on first use
-    base = sc.loads(s["scenario_text"], s["scenario_path"])
+    file_scenario = ui.file_scenario()
+    base = ui.base_scenario()
 except InputError as e:
     ui.show_error(e)
     st.stop()
+
+
+def reshape(op, *keys) -> None:
+    """A button's callback: the current scenario (its value edits kept) with a region or a
+    link added or removed becomes the new base; fresh widgets show it."""
+    try:
+        plain = op(ui.current_scenario().plain(), *[s[k] for k in keys])
+        ui.reshape(plain)
+    except InputError as e:
+        s["topology_reshape_error"] = str(e)
+        return
+    s["topology_reshape_error"] = None
+    s["topology_draft"] = {}
+    s["topology_extra"] = ""
+    s["topology_gen"] += 1
 
 gen = s["topology_gen"]
 draft: dict = s["topology_draft"]
@@ -88,6 +105,45 @@ with edit_col:
                 field("float", f"links.{i}.rtt_ms", f"{link.a} - {link.b}: RTT (ms)", link.rtt_ms)
             with c2:
                 field("float", f"links.{i}.gbit_s", "bandwidth (Gbit/s)", link.gbit_s)
+    with st.expander("Add or remove regions and links"):
+        names = [r.name for r in base.regions]
+        linked = {frozenset((link.a, link.b)) for link in base.links}
+        st.markdown("**add a region**")
+        c1, c2, c3 = st.columns([2, 1, 2])
+        c1.text_input("name", value="new-region", key="topo_add_name")
+        c2.number_input("nodes", min_value=1, value=4, step=1, key="topo_add_nodes")
+        c3.selectbox("linked to", names, key="topo_add_to")
+        c1, c2, c3 = st.columns([2, 2, 1])
+        c1.number_input("RTT (ms)", min_value=0.0, value=100.0, key="topo_add_rtt", format="%g")
+        c2.number_input("bandwidth (Gbit/s)", min_value=0.1, value=200.0, key="topo_add_gbit", format="%g")
+        c3.button("Add", key="topo_add", on_click=reshape,
+                  args=(data.add_region, "topo_add_name", "topo_add_nodes", "topo_add_to", "topo_add_rtt", "topo_add_gbit"))
+        if len(names) > 1:
+            st.markdown("**remove a region** (its links and the scheduled faults aimed at it go too)")
+            c1, c2 = st.columns([4, 1])
+            c1.selectbox("region", names, key="topo_remove_region", label_visibility="collapsed")
+            c2.button("Remove", key="topo_remove", on_click=reshape, args=(data.remove_region, "topo_remove_region"))
+        missing = [f"{a} - {b}" for i, a in enumerate(names) for b in names[i + 1:] if frozenset((a, b)) not in linked]
+        if missing:
+            st.markdown("**add a link**")
+            c1, c2, c3, c4 = st.columns([3, 2, 2, 1])
+            pick = c1.selectbox("between", missing, key="topo_link_pick")
+            c2.number_input("RTT (ms)", min_value=0.0, value=100.0, key="topo_link_rtt", format="%g")
+            c3.number_input("Gbit/s", min_value=0.1, value=200.0, key="topo_link_gbit", format="%g")
+            a, b = pick.split(" - ")
+            c4.button("Add", key="topo_link_add", on_click=reshape,
+                      args=(lambda plain, rtt, gbit, a=a, b=b: data.add_link(plain, a, b, rtt, gbit),
+                            "topo_link_rtt", "topo_link_gbit"))
+        if base.links:
+            st.markdown("**remove a link** (the regions must stay connected)")
+            c1, c2 = st.columns([4, 1])
+            pick = c1.selectbox("link", [f"{link.a} - {link.b}" for link in base.links], key="topo_unlink_pick",
+                                label_visibility="collapsed")
+            a, b = pick.split(" - ")
+            c2.button("Remove", key="topo_unlink", on_click=reshape,
+                      args=(lambda plain, a=a, b=b: data.remove_link(plain, a, b),))
+        if s.get("topology_reshape_error"):
+            st.error(s["topology_reshape_error"], icon=":material/error:")
     with st.expander("Fault rates"):
         f = base.faults
         field("float", "faults.hardware_fault.mtbf_node_hours", "hardware: MTBF per node (hours, 0 = off)", f.hardware_fault.mtbf_node_hours)
@@ -109,7 +165,7 @@ s["topology_draft"] = dict(values)
 s["topology_extra"] = extra
 overrides = data.edit_overrides(base, values, extra)
 try:
-    edited = sc.loads(s["scenario_text"], s["scenario_path"], overrides)
+    edited = ui.base_scenario(overrides)
     s["scenario_overrides"] = overrides
     edit_error = None
 except InputError as e:
@@ -121,7 +177,17 @@ with graph_col:
         st.error(edit_error, icon=":material/error:")
         st.caption("The graph shows the last valid scenario.")
     st.altair_chart(charts.topology_chart(edited), width="content")
-    changes = sc.diff_configs(base.to_dict(), edited.to_dict())
+    if ui.twin_available():
+        with st.spinner("the twin: predicting this cluster"):
+            summary = ui.twin_headline(edited)
+        h = data.headline(summary)
+        st.caption(f"the twin on this cluster (seed {edited.run.seed}, {edited.run.steps} steps), re-run on every edit:")
+        cols = st.columns(4)
+        cols[0].metric("goodput", data.fmt(h["goodput"], ".4f"))
+        cols[1].metric("wall time", ui.seconds(h["wall_s"]))
+        cols[2].metric("faults", h["faults"])
+        cols[3].metric("restarts", data.fmt(h["restarts"], "d"))
+    changes = data.structure_changes(file_scenario, edited)
     st.caption(f"config hash `{edited.config_hash()[:16]}`; "
                + (f"{len(changes)} change{'s' * (len(changes) != 1)} over the file" if changes else "as in the file"))
     if changes:
