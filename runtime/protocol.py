@@ -4,11 +4,15 @@ carrying JSON lines, one message a line, each an object with a "type".
 Worker -> coordinator: hello, hb (heartbeat: where the worker is, `at`, for stall reports;
 with a probe of its communication path while it stands by), ready (joined a generation), step (committed a step: loss and timings), nonfinite,
 aborted (left a generation, with its committed step), ckpt_start, ckpt_end, done, error.
-Coordinator -> worker: welcome (node name, resolved scenario, store address), gen (a
+Coordinator -> worker: challenge, welcome (node name, resolved scenario, store address, the
+silence after which a worker gives its coordinator up), hb (at least every second), gen (a
 generation: rank, members, slot map, start step, state source), standby, abort, quarantine,
 jitter (injected network delay), kill (for workers the coordinator cannot signal), stop.
 
 A worker's death shows at once as EOF on its connection; a hung worker by missing heartbeats.
+A coordinator's death shows a worker EOF, and a hung or unreachable one silence: a worker exits
+(code 3) when its connection closes or its coordinator has said nothing for the welcome's
+`silence_s` (COORDINATOR_SILENCE_S), so no worker outlives its job.
 
 Only the job's workers join. On every connection the coordinator first sends a challenge (a
 fresh random nonce); the worker's hello carries HMAC-SHA256(job secret, nonce). A connection
@@ -32,6 +36,8 @@ from typing import Any
 SECRET_ENV = "KEEL_JOB_SECRET"
 MAX_LINE = 1 << 20       # bytes: the longest message a coordinator reads from a connection
 HELLO_TIMEOUT_S = 10.0   # wall seconds a new connection has to say an authentic hello
+COORDINATOR_SILENCE_S = 30.0  # wall seconds a worker waits on a silent coordinator, then exits
+SILENCE_ENV = "KEEL_COORDINATOR_SILENCE_S"  # overrides it (tests, operators)
 
 
 class ProtocolError(Exception):
@@ -63,6 +69,15 @@ def check_worker_message(msg: dict[str, Any]) -> None:
         value = msg.get(key)
         if not isinstance(value, types) or isinstance(value, bool):
             raise ProtocolError(f"a {kind!r} message whose {key!r} is {type(value).__name__}")
+
+
+def silence_s() -> float:
+    """COORDINATOR_SILENCE_S, or the positive number of seconds in KEEL_COORDINATOR_SILENCE_S."""
+    try:
+        value = float(os.environ.get(SILENCE_ENV, ""))
+    except ValueError:
+        return COORDINATOR_SILENCE_S
+    return value if value > 0 else COORDINATOR_SILENCE_S
 
 
 def new_secret() -> str:

@@ -31,7 +31,7 @@ import torch
 from runtime.emulation.worker import EmulatedNodeMixin
 from runtime.groups import PG_TIMEOUT, GroupFactory
 from runtime.inject import CommGate, kill_self, poisoned_at
-from runtime.protocol import SECRET_ENV, Channel, ProtocolError, env_secret, hello_mac, parse_address
+from runtime.protocol import COORDINATOR_SILENCE_S, SECRET_ENV, Channel, ProtocolError, env_secret, hello_mac, parse_address
 from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter
 from runtime.worker_checkpoint import CheckpointMixin
 from runtime.worker_state import StateMixin
@@ -118,10 +118,10 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin):
             welcome = self.chan.recv()
         except (ProtocolError, TimeoutError) as e:
             raise SystemExit(f"worker: the peer at {address} is not a keel coordinator ({e})") from None
-        sock.settimeout(None)
         if welcome is None or welcome.get("type") != "welcome":
             raise SystemExit(f"worker: not admitted by the coordinator at {address}: "
                              f"{(welcome or {}).get('reason', 'the connection closed')}")
+        sock.settimeout(float(welcome.get("silence_s") or COORDINATOR_SILENCE_S))  # silent that long: gone
         self.node = welcome["node"]
         self.coord_host = host
         self.run_info = welcome
@@ -167,9 +167,14 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin):
                 msg = self.chan.recv()
             except ProtocolError:
                 msg = None
-            if msg is None:  # the coordinator is gone: nothing left to do
+            if msg is None:  # the coordinator is gone (closed, or silent too long): nothing left to do
+                if not self.stopping:
+                    print(f"worker {self.node}: the coordinator's connection closed or went silent; exiting",
+                          file=sys.stderr, flush=True)
                 os._exit(0 if self.stopping else 3)
             kind = msg.get("type")
+            if kind == "hb":
+                continue
             if kind == "stop":
                 self.stopping = True
             if kind == "abort":

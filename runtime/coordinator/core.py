@@ -30,7 +30,7 @@ from runtime.coordinator.stall import stall_report
 from runtime.coordinator.stragglers import StragglerWatch
 from runtime.inject import planned_faults, poison_schedule
 from runtime.protocol import (HELLO_TIMEOUT_S, MAX_LINE, Channel, ProtocolError, authentic, check_worker_message,
-                              env_secret, new_secret, parse_address)
+                              env_secret, new_secret, parse_address, silence_s)
 
 STALL_MIN_S = 60.0
 
@@ -125,6 +125,8 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
         if resume is not None:
             self._prepare_resume(Path(resume))
         self.sel = selectors.DefaultSelector()
+        self.silence_s = silence_s()
+        self.hb_period, self.hb_sent = min(1.0, self.silence_s / 10), 0.0
         self.host, self.port_wanted = parse_address(listen)
         self._listen()
         self.sel.register(self.listener, selectors.EVENT_READ, None)
@@ -273,7 +275,8 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
         w.last_seen = time.monotonic()
         chan.send({"type": "welcome", "node": node, "scenario": self.config, "source": self.sc.source,
                    "store_port": self.store.port, "store_host": self.host, "config_hash": self.config_hash,
-                   "out_dir": str(self.out.resolve()), "local_index": self.order[node], **self.welcome,
+                   "out_dir": str(self.out.resolve()), "local_index": self.order[node], "silence_s": self.silence_s,
+                   **self.welcome,
                    **({"emulation": {"anchor": self.t0, "scale": self.scale}} if self.emulated else {})})
         return node
 
@@ -311,6 +314,11 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
                 self._read(key)
         now = time.monotonic()
         self._drop_strangers(now)
+        if now - self.hb_sent > self.hb_period:  # workers give a silent coordinator up (protocol.py)
+            self.hb_sent = now
+            for w in self.workers.values():
+                if w.chan is not None:
+                    w.chan.send({"type": "hb"})
         for w in list(self.workers.values()):
             if not w.alive:
                 continue
