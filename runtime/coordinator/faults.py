@@ -65,6 +65,8 @@ class FaultsMixin:
 
     def _fire(self, p: Planned) -> bool:
         if p.mode == "poison":
+            if R.shard_skipped(self.policy.quarantine, {f"shard/{s}" for s in self.quarantine}, p.target):
+                return False  # quarantined already: it yields nothing bad again (the twin fires nothing either)
             self._new_episode(p.cls, p.target, shard=p.params["shard"], from_step=p.at_step + 1)
             return False
         if p.mode == "jitter":
@@ -81,6 +83,8 @@ class FaultsMixin:
             targets = R.rack_victims(live, p.params["nodes"])
         else:
             targets = [p.target] if self._live(p.target) else []
+        if not targets:  # every target is down already: nothing to strike (the twin fires nothing either)
+            return False
         ep = self._new_episode(p.cls, p.target, nodes=targets, mode=p.mode)
         ep.nodes = targets
         sig = signal.SIGSTOP if p.mode == "hang" else signal.SIGKILL
@@ -109,6 +113,14 @@ class FaultsMixin:
         self.pending_acks.discard(w.node)
         if self.phase in ("finishing", "finished", "restarting"):
             return
+        spike = self.book.jitter_on(w.node)
+        if spike is not None and not any(self._live(n) for n in spike.nodes):
+            # nothing of the spike is left to sit out or move back: it ends at the next commit
+            spike.parked = False
+            if spike.stage == Stage.DETECTED:
+                spike.stage = Stage.RECOVERING
+            if spike.recovering and spike.end_gen is None:
+                spike.end_gen = self.gen
         ep = self.book.of_killed(w.node)
         if ep is None:  # nobody injected this: a real failure
             ep = self._new_episode("hardware_fault", w.node, t=max(0.0, (last_seen - self.t0) / self.scale),

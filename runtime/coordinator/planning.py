@@ -120,8 +120,8 @@ def plan_generation(view: View) -> Plan:
         if not w[node].alive or slots is None:
             continue
         for slot in slots:
-            holder = next((m for m, s in slot_map.items() if slot in s), None)
-            if holder is not None:
+            holder = next((m for m, s in old.items() if slot in s), None)  # perhaps lost just now
+            if holder in slot_map:
                 slot_map[holder].remove(slot)
             record(fid, slot, holder, node)
         slot_map[node] = sorted(slots)
@@ -145,6 +145,8 @@ def plan_generation(view: View) -> Plan:
     if not plan.slot_map:
         plan.failure = "every worker is lost; nothing left to train on"
         return plan
+    assert sorted(s for v in plan.slot_map.values() for s in v) == sorted(s for v in old.values() for s in v), \
+        f"slots lost or held twice: {old} -> {plan.slot_map}"
     plan.start = max(w[m].committed for m in plan.slot_map)
     if plan.start < view.committed:
         plan.failure = (f"every worker holding the state of step {view.committed} is lost "
@@ -162,7 +164,8 @@ def _place_lost(p: _Planner, old: dict[str, list[int]], slot_map: dict[str, list
         by_fault.setdefault(loss.fault_id, []).append(node)
     for fid, nodes in by_fault.items():
         loss = v.losses.get(nodes[0], Loss(None, R.ABSORB_ACTION["hardware_fault"], None))
-        lost = sorted((slot, node) for node in nodes for slot in old[node])
+        held = {slot for s in slot_map.values() for slot in s}  # a returning straggler took its own back
+        lost = sorted((slot, node) for node in nodes for slot in old[node] if slot not in held)
         spare = p.free_spare(slot_map)
         if not slot_map and spare is not None:
             slot_map[spare] = []
