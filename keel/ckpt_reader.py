@@ -10,10 +10,13 @@ is refused; `keel ckpt inspect PATH [--json]` shows the seven fields and their s
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import math
+import os
 import re
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,7 +40,9 @@ FIELD_FILES = {
 CONTEXT_KEYS = ("step", "data_offset", "config_hash", "config", "cluster_topology", "commit_sha")
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
                "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
-MAX_HEADER = 100 * 2**20
+MAX_HEADER = 100 * 2**20      # bytes of a safetensors header
+MAX_MANIFEST = 2**20          # bytes of a manifest (it lists six files)
+DATA_FILES = tuple(dict.fromkeys(f for fs in FIELD_FILES.values() for f in fs))
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _HEX40 = re.compile(r"^[0-9a-f]{40}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -45,16 +50,34 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 # ----------------------------------------------------------------------------- safetensors
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _json(data: bytes) -> Any:
+    """The format's JSON: UTF-8, no NaN or Infinity; ValueError for anything else, also for a
+    document nested deeper than the parser goes."""
+    try:
+        return json.loads(data, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def safetensors_header(data: bytes) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """(tensors, metadata) of a safetensors file; ValueError if it is not a well-formed one."""
     if len(data) < 8:
         raise ValueError("shorter than the 8-byte header length")
     n = int.from_bytes(data[:8], "little")
     if n > MAX_HEADER or 8 + n > len(data):
-        raise ValueError(f"header length {n} runs past the end of the file ({len(data)} bytes)")
+        raise ValueError(f"header length {n} runs past the end of the file ({len(data)} bytes)"
+                         if 8 + n > len(data) else f"header length {n} is over the {MAX_HEADER} bytes allowed")
     try:
-        header = json.loads(data[8:8 + n])
-    except ValueError as e:
+        header = _json(data[8:8 + n])
+    except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
@@ -63,12 +86,13 @@ def safetensors_header(data: bytes) -> tuple[dict[str, dict[str, Any]], dict[str
         raise ValueError("__metadata__ is not a map of strings")
     spans = []
     for name, t in header.items():
-        if not (isinstance(t, dict) and t.get("dtype") in DTYPE_BYTES and isinstance(t.get("shape"), list)
-                and all(isinstance(d, int) and d >= 0 for d in t["shape"])
-                and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2):
+        if not (isinstance(t, dict) and isinstance(t.get("dtype"), str) and t["dtype"] in DTYPE_BYTES
+                and isinstance(t.get("shape"), list) and all(_int(d) and d >= 0 for d in t["shape"])
+                and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
+                and all(_int(o) and o >= 0 for o in t["data_offsets"])):
             raise ValueError(f"tensor {name!r}: malformed entry")
         begin, end = t["data_offsets"]
-        if end - begin != math.prod(t["shape"]) * DTYPE_BYTES[t["dtype"]]:
+        if end < begin or end - begin != math.prod(t["shape"]) * DTYPE_BYTES[t["dtype"]]:
             raise ValueError(f"tensor {name!r}: {end - begin} bytes for shape {t['shape']} of {t['dtype']}")
         spans.append((begin, end, name))
     at = 0
@@ -83,27 +107,63 @@ def safetensors_header(data: bytes) -> tuple[dict[str, dict[str, Any]], dict[str
 
 # ----------------------------------------------------------------------------- verify
 
+def _read_file(path: Path, limit: int) -> bytes:
+    """The bytes of `path` if it is a regular file of at most `limit` bytes; OSError otherwise
+    (strerror says why). A symbolic link is not followed (it could lead out of the checkpoint),
+    a FIFO or device is not read (it could block or never end)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(e.errno, "a symbolic link; the format's files are regular files") from None
+        raise
+    except ValueError:  # a NUL in the name
+        raise OSError(errno.EINVAL, "not a file name") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"{st.st_size} bytes, more than the {limit} expected (altered or appended to)")
+        chunks, left = [], st.st_size + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def _read(path: Path) -> tuple[dict[str, Any] | None, dict[str, bytes], list[str]]:
-    """(manifest, bytes of each verified file, problems)."""
+    """(manifest, bytes of each verified file, problems). Opens nothing but the manifest and
+    the format's files inside `path`."""
     if not path.is_dir():
         return None, {}, [f"{path}: not a checkpoint directory"]
     mpath = path / MANIFEST
     try:
-        manifest = json.loads(mpath.read_bytes())
+        manifest = _json(_read_file(mpath, MAX_MANIFEST))
     except FileNotFoundError:
         return None, {}, [f"{mpath}: missing; the checkpoint is incomplete (a save that never committed)"]
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        return None, {}, [f"{mpath}: unreadable ({e.strerror})"]
+    except (ValueError, UnicodeDecodeError) as e:
         return None, {}, [f"{mpath}: unreadable ({e})"]
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return None, {}, [f"{mpath}: not a {FORMAT} manifest"]
     if manifest.get("format_version") != FORMAT_VERSION:
         return None, {}, [f"{mpath}: format version {manifest.get('format_version')!r}; this reader reads version {FORMAT_VERSION}"]
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    try:
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except (ValueError, RecursionError):
+        return None, {}, [f"{mpath}: not the format's JSON (nested too deeply)"]
     if manifest.get("manifest_sha256") != hashlib.sha256(canonical.encode()).hexdigest():
         return None, {}, [f"{mpath}: manifest_sha256 does not match the manifest's own content (altered)"]
     problems: list[str] = []
-    if not isinstance(manifest.get("step"), int) or manifest["step"] < 0:
+    if not _int(manifest.get("step")) or manifest["step"] < 0:
         problems.append(f"{mpath}: 'step' is not a non-negative integer")
     m = _STEP_DIR.match(path.name)
     if m and isinstance(manifest.get("step"), int) and int(m.group(1)) != manifest["step"]:
@@ -122,14 +182,18 @@ def _read(path: Path) -> tuple[dict[str, Any] | None, dict[str, bytes], list[str
         if name != MANIFEST and name not in files:
             problems.append(f"{path / name}: present but not listed in the manifest")
     blobs: dict[str, bytes] = {}
+    for name in sorted(set(files) - set(DATA_FILES)):  # "../x", "/etc/x", any other name: never opened
+        problems.append(f"{mpath}: lists {name!r}, which is not a file of the format")
     for name, entry in sorted(files.items()):
-        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) or not _HEX64.match(str(entry.get("sha256"))) \
-                or "/" in name or name in ("", ".", "..", MANIFEST):
+        if name not in DATA_FILES:
+            continue
+        if not isinstance(entry, dict) or not _int(entry.get("bytes")) or entry["bytes"] < 0 \
+                or not _HEX64.match(str(entry.get("sha256"))):
             problems.append(f"{mpath}: malformed entry for {name!r}")
             continue
         fpath = path / name
         try:
-            data = fpath.read_bytes()
+            data = _read_file(fpath, entry["bytes"])
         except FileNotFoundError:
             problems.append(f"{fpath}: missing")
             continue
@@ -157,14 +221,14 @@ def _check_content(path: Path, manifest: dict[str, Any], blobs: dict[str, bytes]
                 problems.append(f"{where}: not a valid safetensors file ({e})")
         elif name.endswith(".json"):
             try:
-                value = json.loads(data)
-            except ValueError as e:
+                value = _json(data)
+            except (ValueError, UnicodeDecodeError) as e:
                 problems.append(f"{where}: not valid JSON ({e})")
                 continue
             if not isinstance(value, dict):
                 problems.append(f"{where}: not a JSON object")
     if "context.json" in blobs and not problems:
-        ctx = json.loads(blobs["context.json"])
+        ctx = _json(blobs["context.json"])
         where = path / "context.json"
         missing = [k for k in CONTEXT_KEYS if k not in ctx]
         if missing:
@@ -180,7 +244,7 @@ def _check_content(path: Path, manifest: dict[str, Any], blobs: dict[str, bytes]
                 if not isinstance(ctx[key], dict):
                     problems.append(f"{where}: {key} is not a JSON object")
     if "rng_state.json" in blobs and "rng_state.safetensors" in blobs and not problems:
-        rng = json.loads(blobs["rng_state.json"])
+        rng = _json(blobs["rng_state.json"])
         tensors, _ = safetensors_header(blobs["rng_state.safetensors"])
         for key in ("python", "numpy"):
             if key not in rng:
@@ -188,7 +252,7 @@ def _check_content(path: Path, manifest: dict[str, Any], blobs: dict[str, bytes]
         if tensors.get("torch_cpu", {}).get("dtype") != "U8":
             problems.append(f"{path / 'rng_state.safetensors'}: no torch_cpu state (a U8 tensor)")
     if "optimizer_state.json" in blobs and not problems:
-        meta = json.loads(blobs["optimizer_state.json"])
+        meta = _json(blobs["optimizer_state.json"])
         if not isinstance(meta.get("param_groups"), list):
             problems.append(f"{path / 'optimizer_state.json'}: no param_groups list")
     return problems
@@ -221,7 +285,8 @@ def inspect(path: str | Path) -> dict[str, Any]:
     files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
 
     def file_bytes(names: list[str]) -> int:
-        return sum(files.get(n, {}).get("bytes", 0) for n in names if isinstance(files.get(n), dict))
+        return sum(files[n]["bytes"] for n in names
+                   if n in DATA_FILES and isinstance(files.get(n), dict) and _int(files[n].get("bytes")))
 
     fields: dict[str, Any] = {}
     for name in ("weights", "optimizer_state", "rng_state"):
@@ -240,7 +305,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
         json_file = FIELD_FILES[name][1] if len(FIELD_FILES[name]) > 1 else None
         if json_file in blobs:
             try:
-                meta = json.loads(blobs[json_file])
+                meta = _json(blobs[json_file])
                 if name == "optimizer_state":
                     entry["kind"] = meta.get("kind")
                     entry["param_groups"] = len(meta.get("param_groups") or [])
@@ -252,7 +317,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
     ctx: dict[str, Any] = {}
     if "context.json" in blobs:
         try:
-            ctx = json.loads(blobs["context.json"])
+            ctx = _json(blobs["context.json"])
         except ValueError:
             ctx = {}
     for name in ("data_offset", "config_hash", "cluster_topology", "commit_sha"):

@@ -4,6 +4,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from keel.errors import InputError
+
+PROBE_BYTES = 64 * 1024
+
 
 def write_synced(path: Path, data: bytes) -> None:
     """Write `data` to `path` and fsync it before returning."""
@@ -20,3 +24,39 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_writable_dir(path: str | Path, flag: str = "--out") -> Path:
+    """Create `path` (and its parents) if missing and prove it writable before any work starts:
+    a probe file of PROBE_BYTES written, fsynced and removed. An `InputError` that names the
+    directory and what was expected otherwise (a file in the way, a read-only or full file
+    system, no permission). What cannot be known here (the disk filling up later) a
+    checkpoint write reports when it fails, and the previous checkpoint stays the newest."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{path}: exists and is not a directory; expected a directory to write the run into ({flag})")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"{path}: cannot create the directory ({e.strerror}); expected a writable directory ({flag})") from None
+    probe = path / f".keel-write-probe-{os.getpid()}"
+    try:
+        write_synced(probe, b"\0" * PROBE_BYTES)
+    except OSError as e:
+        raise InputError(f"{path}: cannot write there ({e.strerror}); expected a writable directory with "
+                         f"free space ({flag})") from None
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    return path
+
+
+def check_resume_dir(resume: str | Path) -> Path:
+    """`--resume DIR` names a directory (checked before any work starts)."""
+    resume = Path(resume)
+    if not resume.is_dir():
+        what = "not a directory" if resume.exists() else "no such directory"
+        raise InputError(f"--resume {resume}: {what}; expected a run directory (or its checkpoints/) to resume from")
+    return resume

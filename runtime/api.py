@@ -44,6 +44,10 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
     `device`/`backend` default to $KEEL_DEVICE ("cpu") and $KEEL_BACKEND ("gloo"; "nccl" needs
     a GPU per worker)."""
     import os
+    from keel.durable import check_resume_dir, check_writable_dir
+    if resume is not None:  # bad directories are refused before anything is written, imported or started
+        check_resume_dir(resume)
+    check_writable_dir(out_dir)
     from keel.rundir import write_summary
     from runtime.coordinator import Coordinator
 

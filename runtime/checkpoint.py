@@ -13,6 +13,8 @@ against the manifest, and only then parses it: all seven fields or an error.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import functools
 import json
 import logging
@@ -20,7 +22,9 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +36,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from keel.durable import fsync_dir, write_synced
+from keel.durable import check_resume_dir, fsync_dir, write_synced
 from runtime.train_state import capture_rng, flatten_optimizer, restore_rng, unflatten_optimizer  # noqa: F401
 from keel.errors import InputError
 from keel.scenario import diff_configs
@@ -52,7 +56,9 @@ FIELD_FILES = {
 FILES = tuple(dict.fromkeys(f for files in FIELD_FILES.values() for f in files))
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
-TMP_DIR = re.compile(r"^\.tmp-step-\d{8}-(\d+)-[0-9a-f]+$")
+TMP_DIR = re.compile(r"^\.(?:tmp|trash)-step-\d{8}-(\d+)-[0-9a-f]+$")  # a save in progress, or a removal
+MAX_MANIFEST_BYTES = 2**20    # a manifest lists six files: anything larger is not one
+MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header (the library refuses larger ones too)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _HEX = re.compile(r"^[0-9a-f]+$")
 
@@ -179,10 +185,11 @@ def write_snapshot(run_dir: str | Path, snapshot: Snapshot, keep: int = 3,
         fsync_dir(tmp)
         if before_commit is not None:
             before_commit()
-        if final.exists():  # the same step written again (a redone step): replace it
-            trash = run_dir / f".trash-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
-            os.rename(final, trash)
-        os.rename(tmp, final)
+        if final.exists():  # the same step written again (a redone step): swap it in
+            _replace_dir(tmp, final)
+            trash = tmp  # now holds the previous copy, under a name no reader takes
+        else:
+            os.rename(tmp, final)
         fsync_dir(run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -191,6 +198,38 @@ def write_snapshot(run_dir: str | Path, snapshot: Snapshot, keep: int = 3,
         shutil.rmtree(trash, ignore_errors=True)
     prune(run_dir, keep)
     return final
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _replace_dir(new: Path, final: Path) -> None:
+    """Put directory `new` in the place of the existing directory `final`; afterwards `new`
+    holds the old one. Atomic where the kernel can swap two names (Linux renameat2
+    RENAME_EXCHANGE): a crash leaves one complete checkpoint of that step, never none. Elsewhere
+    the old one is renamed aside first, and a crash between the two renames leaves the step to
+    the previous checkpoint (with the new copy complete under `new`'s name)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        fn = None
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        if fn(_AT_FDCWD, os.fsencode(new), _AT_FDCWD, os.fsencode(final), _RENAME_EXCHANGE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise OSError(err, os.strerror(err), str(final))
+    aside = final.parent / f".trash-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    os.rename(final, aside)
+    try:
+        os.rename(new, final)
+    except OSError:
+        os.rename(aside, final)
+        raise
+    os.rename(aside, new)
 
 
 def save_checkpoint(run_dir: str | Path, *, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -214,12 +253,17 @@ def _pid_alive(pid: int) -> bool:
 
 
 def prune(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints, and temp directories of dead writers."""
+    """Delete all but the newest `keep` checkpoints, and the `.tmp-*`/`.trash-*` directories
+    of writers that are no longer alive."""
     run_dir = Path(run_dir)
     removed = []
     steps = sorted((p for p in run_dir.iterdir() if STEP_DIR.match(p.name)), key=lambda p: p.name)
     for p in steps[:-keep] if keep > 0 else []:
-        shutil.rmtree(p, ignore_errors=True)
+        # renamed aside first: a crash in the middle of the removal leaves no half checkpoint
+        # under a checkpoint's name
+        trash = run_dir / f".trash-{p.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        os.rename(p, trash)
+        shutil.rmtree(trash, ignore_errors=True)
         removed.append(p)
     for p in run_dir.iterdir():
         m = TMP_DIR.match(p.name)
@@ -305,38 +349,109 @@ class AsyncCheckpointer:
 
 # ----------------------------------------------------------------------------- reading
 
+def _open_regular(path: Path, limit: int) -> bytes:
+    """The bytes of `path`, a regular file of at most `limit` bytes inside its directory: a
+    symbolic link (which could lead out of the checkpoint), a FIFO or device (which could
+    block or never end) or a file over the limit is refused before a byte is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{path}: a symbolic link (a checkpoint's files must be regular files of its own)") from None
+        raise CheckpointError(f"{path}: unreadable ({e.strerror})") from None
+    except ValueError:  # a NUL byte in the name
+        raise CheckpointError(f"{path!r}: not a file name") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: not a regular file")
+        if st.st_size > limit:
+            raise CheckpointError(f"{path}: {st.st_size} bytes, more than the {limit} expected (altered or appended to)")
+        chunks, left = [], st.st_size + 1  # one byte more: a file that grew is noticed
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable ({e.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _json(data: bytes) -> Any:
+    """JSON as the format allows it (no NaN/Infinity); ValueError otherwise, also for a
+    document nested too deeply for the parser (a RecursionError is no message for a user)."""
+    try:
+        return json.loads(data, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def _read_verified(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """The manifest and every file's bytes, each checked against the manifest."""
+    """The manifest and every file's bytes, each checked against the manifest. Only the format's
+    files are opened, each a regular file inside `path`, and none larger than the manifest says."""
     mpath = path / MANIFEST
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
     try:
-        manifest = json.loads(mpath.read_bytes())
-    except FileNotFoundError:
-        raise CheckpointError(f"{mpath}: manifest missing; the checkpoint is incomplete") from None
-    except (OSError, ValueError) as e:
+        raw = _open_regular(mpath, MAX_MANIFEST_BYTES)
+    except CheckpointError as e:
+        if str(e).endswith(": missing"):
+            raise CheckpointError(f"{mpath}: manifest missing; the checkpoint is incomplete") from None
+        raise
+    try:
+        manifest = _json(raw)
+    except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: not a {FORMAT} manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{mpath}: format version {manifest.get('format_version')!r}, this reader knows {FORMAT_VERSION}")
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    if manifest.get("manifest_sha256") != sha256(_canonical(body)).hexdigest():
+    try:
+        canonical = _canonical(body)
+    except (ValueError, RecursionError):
+        raise CheckpointError(f"{mpath}: manifest not in the format's JSON (nested too deeply or not finite)") from None
+    if manifest.get("manifest_sha256") != sha256(canonical).hexdigest():
         raise CheckpointError(f"{mpath}: manifest_sha256 does not match the manifest's content (altered)")
-    listed = manifest.get("files") or {}
+    step = manifest.get("step")
+    m = STEP_DIR.match(path.name)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{mpath}: step {step!r}; expected a non-negative integer")
+    if m and int(m.group(1)) != step:
+        raise CheckpointError(f"{mpath}: step {step} in a directory named {path.name} (a manifest of another step)")
+    if manifest.get("fields") != FIELD_FILES:
+        raise CheckpointError(f"{mpath}: 'fields' must map the seven fields to the format's files")
+    listed = manifest.get("files")
+    if not isinstance(listed, dict):
+        raise CheckpointError(f"{mpath}: 'files' is not an object")
     problems = [f"{path / f}: required file not listed in the manifest" for f in FILES if f not in listed]
+    # only the format's own names are ever opened: no "../x", no absolute path, no other file
+    problems += [f"{mpath}: lists {name!r}, which is not a file of the format" for name in sorted(listed) if name not in FILES]
     problems += [f"{path / f}: file not listed in the manifest" for f in sorted(os.listdir(path))
                  if f != MANIFEST and f not in listed]
     blobs = {}
-    for name, entry in sorted(listed.items()):
-        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)) \
-                or "/" in name or name.startswith("."):
+    for name in FILES:
+        entry = listed.get(name)
+        if entry is None:
+            continue
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and not isinstance(entry["bytes"], bool)
+                and entry["bytes"] >= 0 and isinstance(entry.get("sha256"), str)):
             problems.append(f"{mpath}: malformed entry for {name!r}")
             continue
         try:
-            data = (path / name).read_bytes()
-        except FileNotFoundError:
-            problems.append(f"{path / name}: missing")
+            data = _open_regular(path / name, entry["bytes"])
+        except CheckpointError as e:
+            problems.append(str(e))
             continue
         if len(data) != entry["bytes"]:
             problems.append(f"{path / name}: {len(data)} bytes, the manifest says {entry['bytes']} (truncated or altered)")
@@ -348,29 +463,111 @@ def _read_verified(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
     return manifest, blobs
 
 
-def verify_checkpoint(path: str | Path) -> list[str]:
-    """Problems that make `path` unusable (empty list: it verifies)."""
+def _safetensors(path: Path, data: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; its header is bounded before the library sees it."""
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if n < 0 or n > MAX_HEADER_BYTES or 8 + n > len(data):
+        raise CheckpointError(f"{path}: not a safetensors file (header length {n} in a file of {len(data)} bytes)")
     try:
-        _read_verified(Path(path))
+        _json(data[8:8 + n])
+        return st_load(data)
+    except Exception as e:  # the library's SafetensorError, or our ValueError: not a tensors file
+        raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
+
+
+def _parse(path: Path, manifest: dict[str, Any], blobs: dict[str, bytes]) -> dict[str, Any]:
+    """All seven fields from verified bytes; a CheckpointError naming the file that does not parse."""
+    def json_object(name: str) -> dict[str, Any]:
+        try:
+            value = _json(blobs[name])
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path / name}: not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{path / name}: not a JSON object")
+        return value
+
+    weights = _safetensors(path / "weights.safetensors", blobs["weights.safetensors"])
+    opt_meta = json_object("optimizer_state.json")
+    opt_tensors = _safetensors(path / "optimizer_state.safetensors", blobs["optimizer_state.safetensors"])
+    try:
+        optimizer_state = unflatten_optimizer(opt_tensors, opt_meta)
+    except Exception as e:  # checksums matched but the content is not ours
+        raise CheckpointError(f"{path / 'optimizer_state.json'}: malformed optimizer state ({type(e).__name__}: {e})") from None
+    rng = json_object("rng_state.json")
+    rng_tensors = _safetensors(path / "rng_state.safetensors", blobs["rng_state.safetensors"])
+    try:
+        for key, n in rng.pop("tensor_lists", {}).items():
+            rng[key] = [rng_tensors.pop(f"{key}.{i}") for i in range(n)]
+    except Exception as e:
+        raise CheckpointError(f"{path / 'rng_state.json'}: tensor_lists do not match rng_state.safetensors ({e})") from None
+    rng.update(rng_tensors)
+    missing = [k for k in ("python", "numpy", "torch_cpu") if k not in rng]
+    if missing:
+        raise CheckpointError(f"{path / 'rng_state.json'}: no {', '.join(missing)} state")
+    context = json_object("context.json")
+    missing = [k for k in ("step", "data_offset", "config_hash", "config", "cluster_topology", "commit_sha") if k not in context]
+    if missing:
+        raise CheckpointError(f"{path / 'context.json'}: missing {', '.join(missing)}")
+    if context["step"] != manifest["step"]:
+        raise CheckpointError(f"{path / 'context.json'}: step {context['step']} but the manifest says {manifest['step']}")
+    for key in ("data_offset", "config", "cluster_topology"):
+        if not isinstance(context[key], dict):
+            raise CheckpointError(f"{path / 'context.json'}: {key} is not a JSON object")
+    if not (isinstance(context["config_hash"], str) and len(context["config_hash"]) == 64 and _HEX.match(context["config_hash"])):
+        raise CheckpointError(f"{path / 'context.json'}: config_hash is not 64 lowercase hex digits")
+    return {"weights": weights, "optimizer_state": optimizer_state, "rng": rng, "context": context}
+
+
+def _verified(path: Path) -> dict[str, Any]:
+    manifest, blobs = _read_verified(path)
+    return _parse(path, manifest, blobs)
+
+
+def verify_checkpoint(path: str | Path) -> list[str]:
+    """Problems that make `path` unusable (empty list: it verifies and every field parses)."""
+    try:
+        _verified(Path(path))
     except CheckpointError as e:
         return str(e).split("; ")
     return []
 
 
 def find_latest(run_dir: str | Path, refused: list[tuple[Path, list[str]]] | None = None) -> Path | None:
-    """The newest checkpoint under `run_dir` whose manifest and checksums verify. Refused ones
-    are logged and, if `refused` is given, appended to it with their problems."""
+    """The newest checkpoint under `run_dir` that verifies. Refused ones are appended to
+    `refused` with their problems if it is given (the caller reports them), else logged."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return None
     for p in sorted((p for p in run_dir.iterdir() if STEP_DIR.match(p.name)), key=lambda p: p.name, reverse=True):
-        problems = verify_checkpoint(p)
+        problems = ([f"{p}: a symbolic link (a checkpoint in a run directory must be a directory of its own)"]
+                    if p.is_symlink() else verify_checkpoint(p))
         if not problems:
             return p
-        log.warning("skipping checkpoint %s: %s", p, "; ".join(problems))
         if refused is not None:
             refused.append((p, problems))
+        else:
+            log.warning("skipping checkpoint %s: %s", p, "; ".join(problems))
     return None
+
+
+def resolve_resume(resume: str | Path) -> Path:
+    """`--resume DIR`: the newest complete checkpoint in DIR/checkpoints or DIR. Every newer one
+    that was refused is reported on stderr with why, and with the one resumed from instead."""
+    resume = check_resume_dir(resume)
+    refused: list[tuple[Path, list[str]]] = []
+    latest = None
+    for candidate in (resume / "checkpoints", resume):
+        latest = find_latest(candidate, refused)
+        if latest is not None:
+            break
+    if latest is None:
+        why = "; ".join(f"{p.name}: {'; '.join(pr)}" for p, pr in refused) if refused else "none found"
+        raise InputError(f"--resume {resume}: no complete checkpoint to resume from ({why})")
+    for p, problems in refused:
+        print(f"keel: warning: --resume: checkpoint {p} refused: {'; '.join(problems)}", file=sys.stderr)
+    if refused:
+        print(f"keel: warning: --resume: falling back to {latest}, the newest complete checkpoint", file=sys.stderr)
+    return latest
 
 
 @dataclass
@@ -399,24 +596,8 @@ def load_checkpoint(path: str | Path, *, config_hash: str | None = None, config:
     """Verify, then load all seven fields. A config hash other than `config_hash` is refused
     with what changed (unless `allow_config_change`); another commit SHA is a warning."""
     path = Path(path)
-    manifest, blobs = _read_verified(path)
-    try:
-        weights = st_load(blobs["weights.safetensors"])
-        opt_meta = json.loads(blobs["optimizer_state.json"])
-        optimizer_state = unflatten_optimizer(st_load(blobs["optimizer_state.safetensors"]), opt_meta)
-        rng = json.loads(blobs["rng_state.json"])
-        rng_tensors = st_load(blobs["rng_state.safetensors"])
-        for key, n in rng.pop("tensor_lists", {}).items():
-            rng[key] = [rng_tensors.pop(f"{key}.{i}") for i in range(n)]
-        rng.update(rng_tensors)
-        context = json.loads(blobs["context.json"])
-        missing = [k for k in ("step", "data_offset", "config_hash", "config", "cluster_topology", "commit_sha") if k not in context]
-    except (ValueError, KeyError, TypeError) as e:  # checksums matched but the content is not ours
-        raise CheckpointError(f"{path}: malformed checkpoint content ({e})") from None
-    if missing:
-        raise CheckpointError(f"{path / 'context.json'}: missing {', '.join(missing)}")
-    if context["step"] != manifest["step"]:
-        raise CheckpointError(f"{path / 'context.json'}: step {context['step']} but the manifest says {manifest['step']}")
+    parsed = _verified(path)
+    weights, optimizer_state, rng, context = parsed["weights"], parsed["optimizer_state"], parsed["rng"], parsed["context"]
     warnings = []
     stored = context["config_hash"]
     if config_hash is not None and stored != config_hash:
