@@ -62,6 +62,9 @@ def topology_frames(scenario: Scenario) -> dict[str, list[dict[str, Any]]]:
     # label and no region's ring of nodes.
     taken = [_box(r["x"], r["y"] + REGION_LABEL_DY, len(r["label"]), bold=True) for r in region_rows]
     taken += [(cx - ring, cy - ring, cx + ring, cy + ring) for cx, cy in centre.values()]
+    segments = [(centre[link.a], centre[link.b]) for link in scenario.links]
+    taken += [(x - 0.06, y - 0.06, x + 0.06, y + 0.06) for i, s1 in enumerate(segments) for s2 in segments[i + 1:]
+              for x, y in [_crossing(s1, s2)] if x is not None]  # where two links cross, no label
     for link in scenario.links:
         (ax, ay), (bx, by) = centre[link.a], centre[link.b]
         label = f"{link.rtt_ms:g} ms, {link.gbit_s:g} Gbit/s"
@@ -92,6 +95,20 @@ def _box(x: float, y: float, chars: int, bold: bool = False) -> tuple[float, flo
     return (x - w / 2, y - h / 2, x + w / 2, y + h / 2)
 
 
+def _crossing(s1: tuple, s2: tuple) -> tuple[float | None, float | None]:
+    """Where two segments ((x, y), (x, y)) cross inside both (not at a shared end), or (None, None)."""
+    (x1, y1), (x2, y2) = s1
+    (x3, y3), (x4, y4) = s2
+    d = (x2 - x1) * (y4 - y3) - (y2 - y1) * (x4 - x3)
+    if abs(d) < 1e-12:
+        return None, None
+    t = ((x3 - x1) * (y4 - y3) - (y3 - y1) * (x4 - x3)) / d
+    u = ((x3 - x1) * (y2 - y1) - (y3 - y1) * (x2 - x1)) / d
+    if 1e-6 < t < 1 - 1e-6 and 1e-6 < u < 1 - 1e-6:
+        return x1 + t * (x2 - x1), y1 + t * (y2 - y1)
+    return None, None
+
+
 def _overlap(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
     return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
 
@@ -107,8 +124,10 @@ def topology_chart(scenario: Scenario) -> alt.LayerChart:
         x=x, y=y, x2="x2:Q", y2="y2:Q",
         tooltip=["a:N", "b:N", alt.Tooltip("rtt_ms:Q", title="RTT (ms)"),
                  alt.Tooltip("gbit_s:Q", title="Gbit/s"), alt.Tooltip("jitter_ms:Q", title="jitter (ms)")])
-    link_labels = alt.Chart(alt.Data(values=f["links"])).mark_text(fontSize=10, color="#444").encode(
-        x=alt.X("mx:Q", axis=axis), y=alt.Y("my:Q", axis=axis), text="label:N")
+    label_enc = dict(x=alt.X("mx:Q", axis=axis), y=alt.Y("my:Q", axis=axis), text="label:N")
+    halo = alt.Chart(alt.Data(values=f["links"])).mark_text(fontSize=10, stroke="white", strokeWidth=4,
+                                                            color="white").encode(**label_enc)
+    link_labels = alt.Chart(alt.Data(values=f["links"])).mark_text(fontSize=10, color="#333").encode(**label_enc)
     nodes = alt.Chart(alt.Data(values=f["nodes"])).mark_point(size=70, filled=True).encode(
         x=x, y=y,
         color=alt.Color("region:N", scale=alt.Scale(scheme="tableau10"), legend=alt.Legend(title="region", orient="bottom")),
@@ -118,7 +137,7 @@ def topology_chart(scenario: Scenario) -> alt.LayerChart:
     region_labels = alt.Chart(alt.Data(values=f["regions"])).mark_text(fontSize=12, fontWeight="bold", dy=-48, color="#222").encode(
         x=x, y=y, text="label:N",
         tooltip=["region:N", "nodes:Q", "gpus:Q", alt.Tooltip("intra_gbit_s:Q", title="intra Gbit/s")])
-    return alt.layer(links, link_labels, nodes, region_labels).properties(
+    return alt.layer(links, halo, link_labels, nodes, region_labels).properties(
         autosize=PAD, width=TOPO_W, height=TOPO_H, title=f"{scenario.run.name}: {scenario.total_nodes} nodes in {len(scenario.regions)} regions")
 
 
@@ -200,7 +219,7 @@ def downtime_chart(summaries: dict[str, dict[str, Any]]) -> alt.Chart:
              "action": f.get("action")}
             for label, s in summaries.items() for f in s.get("faults", [])]
     return alt.Chart(alt.Data(values=rows)).mark_bar().encode(
-        x=alt.X("fault:N", title="fault", sort=None), xOffset="run:N",
+        x=alt.X("fault:N", title="fault", sort=None, axis=alt.Axis(labelLimit=0, labelAngle=-40)), xOffset="run:N",
         y=alt.Y("downtime_s:Q", title="downtime (s)"),
         color=alt.Color("run:N", scale=alt.Scale(scheme="tableau10"), legend=alt.Legend(title=None, orient="bottom", labelLimit=0)),
         tooltip=["run:N", "fault:N", "target:N", "action:N", alt.Tooltip("downtime_s:Q", format=".3f"),
@@ -344,5 +363,6 @@ def residual_chart(comparison: dict[str, Any]) -> alt.LayerChart:
                  alt.Tooltip("residual_s:Q", format=".3f")])
     title = alt.TitleParams("residuals by fault class",
                             subtitle=["dot: one runtime repetition of a fault", "dashed line: no error",
-                                      f"green band: within +-{tol:.0%}"], subtitleColor="#555", anchor="start")
+                                      f"green band: within +-{tol:.0%} (the median's tolerance)"],
+                            subtitleColor="#555", anchor="start")
     return alt.layer(band, zero, points).properties(autosize=PAD, width=320, height=380, title=title)

@@ -111,6 +111,48 @@ def test_topology_shows_the_cluster_and_edits_it(monkeypatch, runs_root):
     assert len(nodes) == 42
 
 
+@pytest.mark.timeout(180)
+def test_topology_adds_and_removes_regions_and_links(monkeypatch, runs_root):
+    at = open_app(monkeypatch, runs_root, "topology")
+    gen = at.session_state["topology_gen"]
+    at.number_input(key=f"topo{gen}:regions.0.nodes").set_value(10).run()  # a value edit, kept through a reshape
+    at.text_input(key="topo_add_name").input("sa-east").run()
+    at.number_input(key="topo_add_nodes").set_value(6).run()
+    at.selectbox(key="topo_add_to").select("us-east").run()
+    at.button(key="topo_add").click().run()
+    no_exception(at)
+    assert not at.error
+    current = [r["name"] for r in at.session_state["scenario_reshaped"]["regions"]]
+    assert current == ["us-east", "us-west", "eu-west", "sa-east", "ap-southeast"]
+    assert at.session_state["scenario_reshaped"]["regions"][0]["nodes"] == 10
+    nodes = next(la for la in charts(at)[0]["layer"] if la.get("mark", {}).get("type") == "point")["data"]["values"]
+    assert len(nodes) == 46 - 4 + 6
+    code = "\n".join(c.value for c in at.code)
+    assert "region sa-east added (6 nodes)" in code and "link sa-east - us-east added (100 ms, 200 Gbit/s)" in code
+    goodput_before = next(m.value for m in at.metric if m.label == "goodput")
+    at.selectbox(key="topo_remove_region").select("eu-west").run()
+    at.button(key="topo_remove").click().run()
+    no_exception(at)
+    regions = [r["name"] for r in at.session_state["scenario_reshaped"]["regions"]]
+    assert regions == ["us-east", "us-west", "sa-east", "ap-southeast"]
+    assert next(m.value for m in at.metric if m.label == "goodput") != goodput_before  # the twin re-ran
+    at.selectbox(key="topo_link_pick").select("us-west - sa-east").run()
+    at.button(key="topo_link_add").click().run()
+    at.selectbox(key="topo_unlink_pick").select("us-east - us-west").run()
+    at.button(key="topo_unlink").click().run()
+    no_exception(at)
+    links = {frozenset((x["a"], x["b"])) for x in at.session_state["scenario_reshaped"]["links"]}
+    assert frozenset(("us-west", "sa-east")) in links and frozenset(("us-east", "us-west")) not in links
+    # a region of a name already taken is refused with the schema's message, the cluster kept
+    at.button(key="topo_add").click().run()
+    no_exception(at)
+    assert any("region 'sa-east' is defined twice" in e.value for e in at.error)
+    assert [r["name"] for r in at.session_state["scenario_reshaped"]["regions"]] == regions
+    at.switch_page("pages/simulate.py").run()  # the other pages work on the reshaped cluster
+    no_exception(at)
+    assert any("36 nodes, 4 regions" in c.value for c in at.caption)
+
+
 def test_topology_invalid_edits_show_the_schema_message(monkeypatch, runs_root):
     at = open_app(monkeypatch, runs_root, "topology")
     gen = at.session_state["topology_gen"]
@@ -201,6 +243,23 @@ def test_plan_page_shows_the_front_and_sends_a_policy_to_simulate(monkeypatch, r
     assert at.session_state["policy_b"] == {"policy.hot_spares": 2, "checkpoint.interval_steps": 200, "policy.kind": "absorb"}
     assert at.session_state["policy_b_label"] == "plan recommended"
     assert any("policy B came from Plan" in c.value for c in at.caption)  # we are on Simulate now
+
+
+def test_policy_b_from_plan_then_edited(monkeypatch, runs_root):
+    at = _plan_page(monkeypatch, runs_root, handwritten_plan(runs_root))
+    at.button(key="plan_send_recommended").click().run()
+    no_exception(at)
+    at.switch_page("pages/simulate.py").run()  # AppTest's next run would be Plan's again, as it opened it
+    assert at.text_area(key="simulate_b").value.splitlines() == [
+        "policy.hot_spares=2", "checkpoint.interval_steps=200", 'policy.kind="absorb"']
+    assert at.checkbox(key="simulate_compare").value is True
+    assert any("policy B came from Plan" in c.value for c in at.caption)
+    at.text_area(key="simulate_b").input("policy.hot_spares=3").run()
+    no_exception(at)
+    assert not any("came from Plan" in c.value for c in at.caption)  # edited: no longer Plan's
+    at.switch_page("pages/runs.py").run()
+    at.switch_page("pages/simulate.py").run()
+    assert at.text_area(key="simulate_b").value == "policy.hot_spares=3"  # kept across pages
 
 
 @pytest.mark.timeout(300)

@@ -113,9 +113,9 @@ def validation_run(root: Path) -> tuple[Path | None, str]:
             return None, why
         out = root / "validate-multiregion-12"
         # exit 1 = it ran and the comparison failed its tolerances: still a real comparison
-        keel("validate", str(EMULATED), *EMULATED_SETTINGS, "--calibration", str(cal),
-             "--set", "validate.repetitions=1", "--out", str(out), timeout=400, ok=(0, 1))
-        assert (out / "comparison.json").is_file()
+        proc = keel("validate", str(EMULATED), *EMULATED_SETTINGS, "--calibration", str(cal),
+                    "--set", "validate.repetitions=1", "--out", str(out), timeout=400, ok=(0, 1))
+        assert (out / "comparison.json").is_file(), f"keel validate wrote no comparison.json:\n{proc.stderr[-3000:]}"
         return out, ""
     return _once("validation", make)
 

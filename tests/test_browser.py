@@ -1,7 +1,9 @@
-"""A real browser on the running dashboard: `keel app` on a free port, headless Chromium
-(Debian's `chromium`) driven over the DevTools protocol (the `websockets` client Streamlit
-already depends on) opens the Compare page, waits for the charts to render, checks that no
-exception is shown and saves a screenshot under the test's temp dir. And the static report
+"""A real browser on the running dashboard: `keel app` on a free port over what `keel demo`
+leaves under runs/demo/, headless Chromium (Debian's `chromium`) driven over the DevTools
+protocol (the `websockets` client Streamlit already depends on) visits every page, waits for
+its charts to render, runs the twin on Simulate and sends the recommended policy from Plan,
+and checks that no page shows an exception or a `None` cell and that the server logged no
+warning; a screenshot of each page is saved under the test's temp dir. And the static report
 rendered offline in the same browser."""
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from test_app_runs import REPO, handwritten_validation, runs_root, validation_run
+from test_app_runs import LOCAL, DEFAULT, REPO, handwritten_validation, keel, runs_root, twin_ok, validation_run
 
 __all__ = ["runs_root"]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -114,23 +116,38 @@ def browser(tmp_path):
     b.close()
 
 
+def demo_outputs(runs: Path, root: Path) -> Path:
+    """`root/demo/` laid out as `keel demo` leaves it: simulate/ (the twin on the default
+    scenario), plan/ (`keel plan` on local-8, small), validate/ (the session's real
+    validation when `keel validate` is in the checkout, else the hand-written one) and run/
+    (a real runtime run with checkpoints: that validation's first repetition)."""
+    demo = root / "demo"
+    demo.mkdir(parents=True)
+    real, _ = validation_run(runs)
+    validation = real or handwritten_validation(runs)
+    os.symlink(validation, demo / "validate")
+    os.symlink(validation / "runtime" / "rep-0", demo / "run")
+    if twin_ok():
+        keel("simulate", str(DEFAULT), "--out", str(demo / "simulate"), timeout=120)
+        keel("plan", str(LOCAL), "--trials", "6", "--replicas", "1", "--out", str(demo / "plan"), timeout=240)
+    return demo
+
+
 @pytest.fixture
 def app_server(runs_root, tmp_path):
-    """`keel app --port P` over a runs dir holding one validation (the real one when
-    `keel validate` is in the checkout, else the hand-written one)."""
-    real, _ = validation_run(runs_root)
-    validation = real or handwritten_validation(runs_root)
+    """`keel app --port P` over a runs dir holding the demo's outputs; yields (url, demo
+    dir, the server's log file)."""
     root = tmp_path / "runs"
-    root.mkdir()
-    os.symlink(validation, root / validation.name)
+    demo = demo_outputs(runs_root, root)
     port = free_port()
     env = dict(os.environ, KEEL_RUNS=str(root), PYTHONPATH=str(REPO))
-    log = open(tmp_path / "app.log", "w")
+    log_path = tmp_path / "app.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "keel.cli", "app", "--port", str(port)], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def healthy() -> bool:
-        assert proc.poll() is None, f"keel app exited {proc.returncode}: {(tmp_path / 'app.log').read_text()[-2000:]}"
+        assert proc.poll() is None, f"keel app exited {proc.returncode}: {log_path.read_text()[-2000:]}"
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as r:
                 return r.status == 200
@@ -138,7 +155,7 @@ def app_server(runs_root, tmp_path):
             return False
     try:
         wait_until(healthy, 60, f"keel app on port {port} to report healthy", every=0.5)
-        yield f"http://127.0.0.1:{port}", validation
+        yield f"http://127.0.0.1:{port}", demo, log_path
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -156,28 +173,92 @@ RENDERED = """(() => {
     running: !!document.querySelector('[data-testid="stStatusWidget"]'),
     title: (document.querySelector('h1') || {}).innerText || ''});
 })()"""
+# every table cell Streamlit's data grid exposes (its accessible <td>s), and the page's text
+CELLS = """JSON.stringify([...document.querySelectorAll('[data-testid="stDataFrame"] td')].map(c => c.innerText))"""
+CLICK = """(() => { const b = [...document.querySelectorAll('button')].find(b => b.innerText.trim() === %s);
+  if (b) b.click(); return !!b; })()"""
 
 
-@pytest.mark.timeout(600)
-def test_compare_page_in_a_real_browser(app_server, browser, tmp_path):
-    url, validation = app_server
-    browser.goto(f"{url}/compare")
-
+def settle(browser: Browser, what: str, min_charts: int = 0) -> dict:
     def ready():
         state = json.loads(browser.evaluate(RENDERED) or "{}")
-        assert not state.get("exceptions"), f"the page shows an exception: {state['exceptions']}"
-        return state if state.get("drawn", 0) >= 4 and state["drawn"] == state["charts"] and not state["running"] else None
-    state = wait_until(ready, 90, "the Compare page's charts to render")
-    time.sleep(1.5)  # let the last chart finish its layout before the picture
+        assert not state.get("exceptions"), f"{what} shows an exception: {state['exceptions']}"
+        return state if (state.get("title") and state["drawn"] == state["charts"] >= min_charts
+                         and not state["running"]) else None
+    wait_until(ready, 120, f"{what} to render")
+    time.sleep(1.5)  # let the last chart finish its layout
     state = json.loads(browser.evaluate(RENDERED))
-    assert not state["exceptions"]
-    assert "Compare" in state["title"]
-    shot = browser.screenshot(tmp_path / "compare.png")
+    assert not state["exceptions"], f"{what} shows an exception: {state['exceptions']}"
+    return state
+
+
+def check_page(browser: Browser, what: str, shots: Path) -> str:
+    """No `None` in any table cell or in the text; a screenshot; the page's text."""
+    cells = json.loads(browser.evaluate(CELLS))
+    assert "None" not in cells, f"{what}: a table cell says None"
     body = browser.evaluate("document.body.innerText")
-    (tmp_path / "compare.txt").write_text(body)
+    assert "None" not in body.split(), f"{what}: the page says None"
+    name = what.lower().replace(" ", "-")
+    browser.screenshot(shots / f"{name}.png")
+    (shots / f"{name}.txt").write_text(body)
+    return body
+
+
+def server_warnings(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines()
+            if any(w in line for w in ("WARNING", "Warning", "warning", "Traceback", "Error", "error"))]
+
+
+@pytest.mark.timeout(900)
+def test_every_page_in_a_real_browser(app_server, browser, tmp_path):
+    url, demo, log = app_server
+    shots = tmp_path / "shots"
+    shots.mkdir()
+    browser.goto(f"{url}/")
+    settle(browser, "Runs")
+    body = check_page(browser, "Runs", shots)
+    # the newest of the demo's own runs (run/ here is an older validation's repetition, linked)
+    assert "Latest run: demo/simulate\n" in body or "Latest run: demo/run\n" in body
+    assert "Latest validation: demo/validate" in body and "Latest plan: demo/plan" in body
+    cells = [c.strip() for c in json.loads(browser.evaluate(CELLS))]
+    assert cells.index("demo/validate") < cells.index("\u21b3 twin")  # its parts under it
+
+    browser.goto(f"{url}/topology")
+    settle(browser, "Topology", 1)
+    assert "re-run on every edit" in check_page(browser, "Topology", shots)
+
+    browser.goto(f"{url}/compare")
+    settle(browser, "Compare", 4)
+    body = check_page(browser, "Compare", shots)
     assert "errors against the declared tolerances" in body and "runtime repetitions" in body
-    assert shot.stat().st_size > 20_000
-    print(f"screenshot: {shot}")
+    cells = json.loads(browser.evaluate(CELLS))
+    assert {"pass", "fail"} & set(cells) and "error (%)" in body
+
+    browser.goto(f"{url}/checkpoints")
+    settle(browser, "Checkpoints")
+    body = check_page(browser, "Checkpoints", shots)
+    assert "verifies" in body
+
+    if (demo / "plan" / "plan.json").is_file():
+        browser.goto(f"{url}/plan")
+        settle(browser, "Plan", 1)
+        plan = json.loads((demo / "plan" / "plan.json").read_text())
+        assert f"{len(plan['trials'])} candidates" in check_page(browser, "Plan", shots)
+        assert browser.evaluate(CLICK % json.dumps("Send recommended to Simulate"))
+        wait_until(lambda: "policy B came from Plan" in (browser.evaluate("document.body.innerText") or ""), 60,
+                   "Simulate with policy B from Plan")
+    else:
+        browser.goto(f"{url}/simulate")
+    settle(browser, "Simulate")
+    assert browser.evaluate(CLICK % json.dumps("Run the twin"))
+    wait_until(lambda: "faults: A:" in (browser.evaluate("document.body.innerText") or ""), 120, "the twin's two runs")
+    settle(browser, "Simulate", 4)
+    body = check_page(browser, "Simulate", shots)
+    assert "met the same" in body
+
+    time.sleep(1)
+    assert not server_warnings(log), f"the server logged: {server_warnings(log)}"
+    print(f"screenshots: {shots}")
 
 
 @pytest.mark.timeout(120)
