@@ -1,8 +1,20 @@
 """Errors a user can act on. The CLI turns any `InputError` into one line on stderr and exit 2."""
 
 
+def one_line(text: str) -> str:
+    """`text` with every character that is not printable (newlines, tabs, other control
+    characters) written as its escape, so that a message quoting the input stays one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class InputError(ValueError):
-    """Bad input: the message names the input, the key and what was expected."""
+    """Bad input: the message names the input, the key and what was expected; always one line
+    (a quoted key or file name with a newline in it is escaped)."""
+
+    def __init__(self, message: str = "", *rest: object):
+        super().__init__(one_line(str(message)), *rest)
 
 
 class RunFailed(RuntimeError):

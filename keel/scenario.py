@@ -7,6 +7,7 @@ Precedence of values: `--set` overrides > file > the defaults documented on each
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import hashlib
@@ -22,6 +23,15 @@ from typing import Any, Literal
 from keel.errors import InputError, read_input
 
 FAULT_CLASSES = ("hardware_fault", "network_jitter", "partial_cluster_loss", "data_shard_skew")
+# Bounds a scenario's values must keep, so that no figure is too large or too small for the
+# twin's and the runtime's arithmetic (and no check of the scenario itself runs for ever):
+INT_LIMIT = 2 ** 63 - 1          # any integer key (64 bits)
+FLOAT_LIMIT = 1e12               # any number key, in magnitude ...
+FLOAT_TINY = 1e-9                # ... unless 0, at least this
+MAX_NODES = 100_000              # nodes in the whole cluster
+MAX_STEPS = 10_000_000           # run.steps (the twin predicts about 100,000 steps a second)
+MAX_SLOTS = 1_000_000            # workload.slots
+MAX_SHARDS = 1_000_000           # data.shards
 SPIKE_SPREAD = 0.25  # a latency spike's delay varies by +-this fraction of spike_ms from step to step
 
 
@@ -399,15 +409,22 @@ class _Loader:
             return raw
         if tp is int:
             if isinstance(raw, bool) or not isinstance(raw, int):
-                if isinstance(raw, float) and raw.is_integer():
-                    return int(raw)
-                self.fail(key, f"expected an integer{_unit(key.rsplit('.', 1)[-1])}, got {raw!r}")
+                if not (isinstance(raw, float) and raw.is_integer()):
+                    self.fail(key, f"expected an integer{_unit(key.rsplit('.', 1)[-1])}, got {raw!r}")
+                raw = int(raw)
+            if abs(raw) > INT_LIMIT:
+                self.fail(key, f"expected an integer of at most {INT_LIMIT} in magnitude (64 bits), got {raw}")
             return raw
         if tp is float:
             if isinstance(raw, bool) or not isinstance(raw, (int, float)):
                 self.fail(key, f"expected a number{_unit(key.rsplit('.', 1)[-1])}, got {raw!r}")
+            if isinstance(raw, int) and abs(raw) > FLOAT_LIMIT:  # also ints too large for a float
+                self.fail(key, f"expected a number of at most {FLOAT_LIMIT:g} in magnitude, got {raw}")
             if not math.isfinite(raw):
                 self.fail(key, f"expected a finite number, got {raw!r}")
+            if raw and not FLOAT_TINY <= abs(raw) <= FLOAT_LIMIT:
+                self.fail(key, f"expected 0 or a number between {FLOAT_TINY:g} and {FLOAT_LIMIT:g} in "
+                               f"magnitude{_unit(key.rsplit('.', 1)[-1])}, got {raw!r}")
             return float(raw)
         if tp is str:
             if not isinstance(raw, str):
@@ -433,6 +450,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, parsed
 
 
+def _is_index(text: str) -> bool:
+    """A non-negative integer written in ASCII digits ('²' and '١' are digits to str.isdigit)."""
+    return text.isascii() and text.isdigit()
+
+
 def apply_override(raw: dict, key: str, value: Any, source: str = "<scenario>") -> None:
     parts = key.split(".")
     origin = f"(from --set {key})"
@@ -441,7 +463,7 @@ def apply_override(raw: dict, key: str, value: Any, source: str = "<scenario>") 
         last = i == len(parts) - 1
         here = ".".join(parts[: i + 1])
         if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
+            if not _is_index(part) or int(part) >= len(node):
                 raise ScenarioError(f"{source}: key '{here}' {origin}: expected an index below {len(node)}, got {part!r}")
             if last:
                 node[int(part)] = value
@@ -469,6 +491,8 @@ def _check(s: Scenario) -> None:
             fail(key, f"expected a {'non-negative' if allow_zero else 'positive'} value{_unit(key.rsplit('.', 1)[-1])}, got {value!r}")
 
     positive(s.run.steps, "run.steps")
+    if s.run.steps > MAX_STEPS:
+        fail("run.steps", f"expected at most {MAX_STEPS:,} steps, got {s.run.steps:,}")
     positive(s.run.seed, "run.seed", True)
     if not s.run.name.strip():
         fail("run.name", "expected a non-empty name (it names the run's outputs), got an empty string")
@@ -476,6 +500,8 @@ def _check(s: Scenario) -> None:
     positive(w.step_compute_s, "workload.step_compute_s")
     positive(w.gradient_bytes, "workload.gradient_bytes", True)
     positive(w.slots, "workload.slots", True)
+    if w.slots > MAX_SLOTS:
+        fail("workload.slots", f"expected at most {MAX_SLOTS:,} slots, got {w.slots:,}")
     positive(w.micro_batch, "workload.micro_batch")
     positive(w.compute_jitter, "workload.compute_jitter", True)
     c = s.checkpoint
@@ -499,6 +525,8 @@ def _check(s: Scenario) -> None:
         positive(r.intra_gbit_s, f"regions.{i}.intra_gbit_s")
         positive(r.intra_latency_ms, f"regions.{i}.intra_latency_ms", True)
         positive(r.speed, f"regions.{i}.speed")
+    if s.total_nodes > MAX_NODES:
+        fail("regions", f"expected at most {MAX_NODES:,} nodes in all, got {s.total_nodes:,}")
     pairs: set[frozenset] = set()
     for i, link in enumerate(s.links):
         for end in ("a", "b"):
@@ -515,10 +543,10 @@ def _check(s: Scenario) -> None:
         positive(link.gbit_s, f"links.{i}.gbit_s")
         positive(link.jitter_ms, f"links.{i}.jitter_ms", True)
     if len(s.regions) > 1:
-        import itertools
-        for a, b in itertools.combinations([r.name for r in s.regions], 2):
-            if not _connected(s, a, b):
-                fail("links", f"regions {a!r} and {b!r} are not connected by any path of links")
+        reached = _reachable(s, s.regions[0].name)
+        cut = [r.name for r in s.regions if r.name not in reached]
+        if cut:
+            fail("links", f"regions {s.regions[0].name!r} and {cut[0]!r} are not connected by any path of links")
     f = s.faults
     positive(f.hardware_fault.mtbf_node_hours, "faults.hardware_fault.mtbf_node_hours", True)
     positive(f.hardware_fault.repair_hours, "faults.hardware_fault.repair_hours")
@@ -547,7 +575,7 @@ def _check(s: Scenario) -> None:
         if e.class_ == "network_jitter" and t not in seen and t not in nodes:
             fail(f"{key}.target", f"expected a region name or a node 'region/i', got {t!r}")
         if e.class_ == "data_shard_skew":
-            ok = t.startswith("shard/") and t[6:].isdigit() and int(t[6:]) < s.data.shards
+            ok = t.startswith("shard/") and _is_index(t[6:]) and int(t[6:]) < s.data.shards
             if not ok:
                 fail(f"{key}.target", f"expected 'shard/N' with N below data.shards ({s.data.shards}), got {t!r}")
         if e.nodes is not None:
@@ -563,6 +591,12 @@ def _check(s: Scenario) -> None:
     positive(p.detect_timeout_s, "policy.detect_timeout_s")
     if p.detect_timeout_s < p.heartbeat_s:
         fail("policy.detect_timeout_s", f"expected at least policy.heartbeat_s ({p.heartbeat_s}), got {p.detect_timeout_s}")
+    for table in ("hardware_fault", "partial_cluster_loss"):
+        repair_s = getattr(f, table).repair_hours * 3600.0
+        if repair_s < p.detect_timeout_s:
+            fail(f"faults.{table}.repair_hours", f"expected a repair no shorter than policy.detect_timeout_s "
+                 f"({p.detect_timeout_s:g} s): a node is repaired after it is found lost, got "
+                 f"{getattr(f, table).repair_hours:g} h ({repair_s:g} s)")
     positive(p.hot_spares, "policy.hot_spares", True)
     if p.hot_spares >= s.total_nodes:
         fail("policy.hot_spares", f"expected fewer than the cluster's {s.total_nodes} nodes, got {p.hot_spares}")
@@ -579,6 +613,8 @@ def _check(s: Scenario) -> None:
     positive(m.lr, "model.lr")
     positive(m.weight_decay, "model.weight_decay", True)
     positive(s.data.shards, "data.shards")
+    if s.data.shards > MAX_SHARDS:
+        fail("data.shards", f"expected at most {MAX_SHARDS:,} shards, got {s.data.shards:,}")
     positive(s.validate.downtime_rel_tol, "validate.downtime_rel_tol")
     positive(s.validate.wall_rel_tol, "validate.wall_rel_tol")
     positive(s.validate.repetitions, "validate.repetitions")
@@ -589,24 +625,25 @@ def _check(s: Scenario) -> None:
         fail("emulation.max_overrun_fraction", f"expected a fraction in [0, 1], got {s.emulation.max_overrun_fraction!r}")
 
 
-def _connected(s: Scenario, a: str, b: str) -> bool:
+def _reachable(s: Scenario, start: str) -> set[str]:
+    """The regions a path of links joins to `start` (itself included)."""
     adj: dict[str, set[str]] = {}
     for link in s.links:
         adj.setdefault(link.a, set()).add(link.b)
         adj.setdefault(link.b, set()).add(link.a)
-    seen, todo = {a}, [a]
+    seen, todo = {start}, [start]
     while todo:
         for n in adj.get(todo.pop(), ()):
             if n not in seen:
                 seen.add(n)
                 todo.append(n)
-    return b in seen
+    return seen
 
 
 # ----------------------------------------------------------------------------- entry points
 
 def from_dict(raw: dict, source: str = "<scenario>", overrides: typing.Sequence[str] = ()) -> Scenario:
-    raw = json.loads(json.dumps(raw))  # deep copy; overrides must not touch the caller's dict
+    raw = copy.deepcopy(raw)  # overrides must not touch the caller's dict
     for text in overrides:
         key, value = parse_override(text)
         apply_override(raw, key, value, source)
