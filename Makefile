@@ -22,5 +22,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# Issue 13's reliability tests (pytest -m reliability) at FULL counts; writes docs/reliability.md.
+.PHONY: reliability
+reliability: $(STAMP)
+	$(BIN)/python bench/reliability.py
+
 clean:
 	rm -rf $(VENV)
