@@ -32,6 +32,7 @@ MAX_NODES = 100_000              # nodes in the whole cluster
 MAX_STEPS = 10_000_000           # run.steps (the twin predicts about 100,000 steps a second)
 MAX_SLOTS = 1_000_000            # workload.slots
 MAX_SHARDS = 1_000_000           # data.shards
+MAX_FAULTS_PER_S = 1.0           # drawn faults of every class over the cluster, on average
 SPIKE_SPREAD = 0.25  # a latency spike's delay varies by +-this fraction of spike_ms from step to step
 
 
@@ -557,6 +558,14 @@ def _check(s: Scenario) -> None:
     positive(f.partial_cluster_loss.nodes, "faults.partial_cluster_loss.nodes")
     positive(f.partial_cluster_loss.repair_hours, "faults.partial_cluster_loss.repair_hours")
     positive(f.data_shard_skew.per_day, "faults.data_shard_skew.per_day", True)
+    rates = {"faults.hardware_fault.mtbf_node_hours": s.total_nodes / (f.hardware_fault.mtbf_node_hours * 3600.0)
+             if f.hardware_fault.mtbf_node_hours else 0.0,
+             **{f"faults.{c}.per_day": getattr(f, c).per_day / 86400.0
+                for c in ("network_jitter", "partial_cluster_loss", "data_shard_skew")}}
+    if sum(rates.values()) > MAX_FAULTS_PER_S:
+        worst = max(rates, key=rates.get)
+        fail(worst, f"expected drawn faults at most {MAX_FAULTS_PER_S:g} a second over the whole cluster on "
+                    f"average, got {sum(rates.values()):.3g} a second (a fault storm no run survives)")
     nodes = set(s.node_names)
     for i, e in enumerate(f.schedule):
         key = f"faults.schedule.{i}"

@@ -309,6 +309,8 @@ def test_every_command_refuses_a_bad_scenario_before_any_work(doc, command, work
 @example(sets=["workload.step_compute_s=" + "9" * 400], command="plan", flags=[])
 @example(sets=["regions.0.nodes=1e11"], command="validate", flags=[])
 @example(sets=["faults.hardware_fault.repair_hours=1e-9"], command="simulate", flags=[])
+@example(sets=["faults.hardware_fault.mtbf_node_hours=1e-9"], command="simulate", flags=[])
+@example(sets=["faults.network_jitter.per_day=1e12"], command="plan", flags=[])
 def test_set_values_and_flags_are_refused_in_one_line(sets, command, flags):
     argv = [command, str(LOCAL)]
     for text in sets:
