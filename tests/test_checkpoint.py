@@ -195,6 +195,26 @@ def test_keep_k_pruning_and_rewriting_a_step(trained, tmp_path):
     assert find_latest(tmp_path) == tmp_path / "step-00000005"
 
 
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_rewriting_a_step_replaces_it_whole(trained, tmp_path, monkeypatch, exchange):
+    model, opt = trained
+    first = save(tmp_path, 3, model, opt, topology={"generation": 1})
+    if not exchange:  # a kernel without RENAME_EXCHANGE: the fallback renames the old one aside first
+        monkeypatch.setattr(ck.ctypes, "CDLL", lambda *a, **k: (_ for _ in ()).throw(OSError("no libc")))
+    again = save(tmp_path, 3, model, opt, topology={"generation": 2})
+    assert again == first and load_checkpoint(again).topology == {"generation": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]  # the old copy removed
+
+
+def test_prune_removes_dead_writers_leftovers_only(trained, tmp_path):
+    model, opt = trained
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    for name in (f".tmp-step-00000009-{dead}-ab12", f".trash-step-00000001-{dead}-cd34", f".tmp-step-00000009-{os.getppid()}-ef56"):
+        (tmp_path / name).mkdir()
+    save(tmp_path, 2, model, opt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".tmp-step-00000009-{os.getppid()}-ef56", "step-00000002"]
+
+
 def test_async_snapshot_is_taken_at_submit(trained, tmp_path):
     model, opt = trained
     done = []
