@@ -219,7 +219,7 @@ def downtime_chart(summaries: dict[str, dict[str, Any]]) -> alt.Chart:
              "action": f.get("action")}
             for label, s in summaries.items() for f in s.get("faults", [])]
     return alt.Chart(alt.Data(values=rows)).mark_bar().encode(
-        x=alt.X("fault:N", title="fault", sort=None, axis=alt.Axis(labelLimit=0, labelAngle=-40)), xOffset="run:N",
+        x=alt.X("fault:N", title="fault", sort=None, axis=alt.Axis(labelLimit=0, labelAngle=-40, labelOverlap=False)), xOffset="run:N",
         y=alt.Y("downtime_s:Q", title="downtime (s)"),
         color=alt.Color("run:N", scale=alt.Scale(scheme="tableau10"), legend=alt.Legend(title=None, orient="bottom", labelLimit=0)),
         tooltip=["run:N", "fault:N", "target:N", "action:N", alt.Tooltip("downtime_s:Q", format=".3f"),

@@ -219,14 +219,17 @@ def validation_sections(path: Path) -> tuple[str, list[Section]]:
 def plan_sections(path: Path) -> tuple[str, list[Section]]:
     from app import charts, data
     plan = data.load_plan(path)
-    chosen = [{"which": tag, "goodput": plan[tag].get("goodput"),
-               "cost_node_hours_per_step": plan[tag].get("cost_node_hours_per_step"),
+    chosen = [{"which": tag, "candidate": data.fmt(plan[tag].get("number"), "d"),
+               "goodput": data.fmt(plan[tag].get("goodput"), ".4f"),
+               "cost (node-h / useful step)": data.fmt(plan[tag].get("cost_node_hours_per_step"), ".5f"),
                "policy": data.policy_text(data.policy_of(plan[tag]))}
               for tag in ("recommended", "baseline") if isinstance(plan.get(tag), dict)]
     return f"plan: {path.name}", [
         ("recommended against the baseline", chosen),
         ("Pareto front", charts.pareto_chart(plan)),
-        ("trials, ranked", data.plan_rows(plan)),
+        ("candidates, ranked (" + data.plan_counts(plan) + ")",
+         [{k: {True: "yes", False: ""}.get(v, v) if isinstance(v, bool) else v for k, v in r.items()}
+          for r in data.plan_table(plan)]),
     ]
 
 

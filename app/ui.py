@@ -179,8 +179,10 @@ def save_run(events: Sequence[Any], summary: dict[str, Any], out: Path) -> Path:
 def pick_dir(label: str, kinds: Sequence[str], key: str) -> Path | None:
     """A select box over the matching directories under the runs directory, and a path
     field that wins when filled in. None when there is nothing to pick."""
-    runs = data.list_runs(runs_root(), kinds)
-    labels = {str(r.path): f"{r.label}  ({r.kind})" for r in runs}
+    runs = data.jobs_first(data.list_runs(runs_root(), kinds))  # the newest job first, never a validation's part
+    labels = {str(r.path): f"{r.label}  ({r.kind}" + (f", part of {r.parent.relative_to(runs_root())})"
+                                                      if r.parent is not None and r.parent.is_relative_to(runs_root())
+                                                      else ")") for r in runs}
     choice = None
     if runs:
         choice = st.selectbox(label, list(labels), key=key, format_func=lambda p: labels.get(p, p))

@@ -411,7 +411,8 @@ def table(result: Mapping[str, Any], top: int = 10) -> str:
         return (f"{name:<12} goodput {r['goodput']:.4f} [{lo:.4f}, {hi:.4f}]  "
                 f"cost {r['cost_node_hours_per_step']:.5f} node-h/step  {pol}")
     yd = result["young_daly"]
-    lines = [f"plan {result['scenario']}: {counts_text(result)} x {result['replicas']} replicas "
+    lines = [f"plan {result['scenario']}: {counts_text(result)} x {result['replicas']} "
+             f"replica{'s' * (result['replicas'] != 1)} "
              f"(common seeds {result['seeds'][0]}..{result['seeds'][-1]})",
              f"Young/Daly: delta {yd['delta_s']:.3g} s, MTBF {yd['mtbf_s'] or float('inf'):.4g} s, "
              f"interval {yd['interval_steps']} steps",

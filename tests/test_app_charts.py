@@ -45,7 +45,7 @@ def test_topology_graph_groups_nodes_by_region_with_spares_and_links():
     labels = {la["label"] for la in links}
     assert "80 ms, 400 Gbit/s" in labels
     # nodes sit around their own region's centre
-    centre = {r["region"]: (r["x"], r["y"]) for r in layers(spec)[3]["data"]["values"]}
+    centre = {r["region"]: (r["x"], r["y"]) for r in layers(spec)[-1]["data"]["values"]}
     for n in nodes:
         cx, cy = centre[n["region"]]
         assert (n["x"] - cx) ** 2 + (n["y"] - cy) ** 2 < 0.2 ** 2
@@ -340,3 +340,29 @@ def test_error_table_judges_each_fault_by_its_own_tolerance_and_shows_the_emulat
     assert by["downtime (median)"]["tolerance"] == 0.10 and by["downtime (median)"]["pass"] is False
     assert by["emulation"]["rel_err"] == pytest.approx(0.015) and by["emulation"]["pass"] is False
     assert "30 of 2000" in by["emulation"]["error of"]
+
+
+def test_runs_are_grouped_by_job_newest_first(tmp_path):
+    import os
+    validation = handwritten_validation(tmp_path)
+    old_run = tmp_path / "demo" / "simulate"
+    new_run = tmp_path / "demo" / "run"
+    for run, age in ((old_run, 300), (new_run, 0)):
+        run.mkdir(parents=True)
+        (run / "events.jsonl").write_text("")
+        (run / "summary.json").write_text("{}")
+        t = (validation / "comparison.json").stat().st_mtime + 100 - age
+        os.utime(run / "summary.json", (t, t))
+    (new_run / "checkpoints").mkdir()
+    (validation / "runtime" / "rep-0" / "checkpoints").mkdir()
+    runs = data.list_runs(tmp_path)
+    assert [(r.label, r.is_job) for r in runs] == [
+        ("demo/run", True), ("handwritten-validation", True), ("handwritten-validation/twin", False),
+        ("handwritten-validation/runtime/rep-0", False), ("handwritten-validation/runtime/rep-1", False),
+        ("demo/simulate", True)]
+    table = data.runs_table(runs)
+    assert [r["job"].strip() for r in table][1:3] == ["handwritten-validation", "\u21b3 twin"]
+    assert table[2]["part of"] == "handwritten-validation" and "None" not in str(table)
+    assert [r.label for r in data.checkpoint_runs(tmp_path)] == ["demo/run", "handwritten-validation/runtime/rep-0"]
+    only_runs = data.jobs_first(data.list_runs(tmp_path, kinds=("run",)))
+    assert only_runs[0].label == "demo/run" and only_runs[1].label == "demo/simulate"

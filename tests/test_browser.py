@@ -175,6 +175,7 @@ RENDERED = """(() => {
 })()"""
 # every table cell Streamlit's data grid exposes (its accessible <td>s), and the page's text
 CELLS = """JSON.stringify([...document.querySelectorAll('[data-testid="stDataFrame"] td')].map(c => c.innerText))"""
+HEADERS = """JSON.stringify([...document.querySelectorAll('[data-testid="stDataFrame"] th')].map(c => c.innerText.trim()))"""
 CLICK = """(() => { const b = [...document.querySelectorAll('button')].find(b => b.innerText.trim() === %s);
   if (b) b.click(); return !!b; })()"""
 
@@ -232,7 +233,9 @@ def test_every_page_in_a_real_browser(app_server, browser, tmp_path):
     body = check_page(browser, "Compare", shots)
     assert "errors against the declared tolerances" in body and "runtime repetitions" in body
     cells = json.loads(browser.evaluate(CELLS))
-    assert {"pass", "fail"} & set(cells) and "error (%)" in body
+    headers = json.loads(browser.evaluate(HEADERS))
+    assert {"predicted", "observed", "error (%)", "tolerance (%)", "pass"} <= set(headers), headers
+    assert {"pass", "fail", "not judged"} & set(cells), cells
 
     browser.goto(f"{url}/checkpoints")
     settle(browser, "Checkpoints")

@@ -67,7 +67,7 @@ except InputError as e:
 
 rows = data.plan_rows(plan)
 st.subheader(f"{plan.get('scenario', picked.name)}: {data.plan_counts(plan)}"
-             + (f" x {plan['replicas']} replicas" if plan.get("replicas") else ""))
+             + (f" x {plan['replicas']} replica{'s' * (plan['replicas'] != 1)}" if plan.get("replicas") else ""))
 if plan.get("rule"):
     st.caption(f"recommendation rule: {plan['rule']}")
 current = ui.current_scenario_or_none()
