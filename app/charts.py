@@ -90,7 +90,7 @@ REGION_LABEL_DY = 48 * (TOPO_Y[1] - TOPO_Y[0]) / TOPO_H  # the region label's dy
 def _box(x: float, y: float, chars: int, bold: bool = False) -> tuple[float, float, float, float]:
     """(x0, y0, x1, y1) of a text label centred on (x, y), in the chart's units: about 5.6
     px a character at font size 10 (7.4 bold at 12), 13 px high."""
-    w = chars * (7.4 if bold else 5.6) * (TOPO_X[1] - TOPO_X[0]) / TOPO_W
+    w = (chars + 2) * (7.4 if bold else 5.6) * (TOPO_X[1] - TOPO_X[0]) / TOPO_W  # a character's room each side
     h = (15 if bold else 13) * (TOPO_Y[1] - TOPO_Y[0]) / TOPO_H
     return (x - w / 2, y - h / 2, x + w / 2, y + h / 2)
 
