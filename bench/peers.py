@@ -1,0 +1,432 @@
+"""keel against the tools people know, side by side in one invocation: the same model (keel's),
+the same data (keel's loader, one slot per worker), 4 workers, the same seed and the same fault
+(worker 1 SIGKILLed once `--kill-at` steps are committed):
+
+- `torchrun`: torch.distributed.run `--max-restarts 1`, DDP on gloo, a checkpoint every
+  `--checkpoint-every` steps (torch.save, fsynced, renamed), resume on restart;
+- `torchft`: torchft 0.2.0 (Lighthouse, Manager, its DDP and optimizer wrappers), one replica
+  group per worker, each under its own torchrun `--max-restarts 1` as torchft deploys them
+  (skipped, with the reason, where torchft is not installed: `pip install -e '.[peers]'`);
+- `keel_absorb` and `keel_restart`: keel's runtime (runtime.api.run_scenario) on
+  bench/peers-4.toml, policy `absorb` (no hot spare: the 3 survivors take the slot) and
+  `checkpoint_restart`.
+
+Plain DDP (the same script as torchrun, no checkpoints, no fault) is the step-time baseline,
+measured in every repetition. Per tool: fault-free step time / DDP's (the median interval
+between consecutive commits, past the first two), downtime (the fault to the first step
+committed after it, from each tool's own commit times), steps committed again, processes
+restarted, and whether the final weights (bitwise) and the data every step trained on equal
+that tool's own fault-free run. Every configuration runs `--repeats` times, interleaved.
+
+    .venv/bin/python bench/peers.py [--repeats 3] [--tools torchrun,torchft,keel_absorb,keel_restart] [--json]
+
+Workarounds the harness applies to peers (printed with the results):
+- torchrun: the workers build the default group on the agent's store under a prefix per
+  restart attempt (bench/peers_train.py `init_group`): with torch 2.13.0 the relaunched workers'
+  `init_process_group("gloo")` read the first attempt's gloo addresses and failed
+  ("Gloo connectFullMesh failed ... Connection refused") or hung;
+- torchft: its DDP comm hook is patched (bench/peers_train.py `patch_torchft_comm_hook`): 0.2.0
+  asserts on the future of a failed all-reduce, so a peer's death crashed every survivor;
+- torchft: the four replicas wait for each other (a file each) before their first step, so the
+  first quorum holds all four (with `min_replicas` 3 the Lighthouse may form it without a
+  replica that is still importing torch, and the fault-free run's data would change run to run).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "bench" / "peers_train.py"
+SCENARIO = ROOT / "bench" / "peers-4.toml"
+TOOLS = ("torchrun", "torchft", "keel_absorb", "keel_restart")
+# not a peer: torchrun resuming the weights but not the optimizer state, a tool whose weights
+# must come out different from its fault-free run (tests/test_peers.py)
+CHECK_TOOLS = ("torchrun_weights_only",)
+WORKAROUNDS = {
+    "torchrun": "default group on the agent's store under a prefix per restart attempt (torch 2.13.0's "
+                "relaunched gloo group read the first attempt's addresses: connectFullMesh refused or hung)",
+    "torchft": "DDP comm hook patched (0.2.0 asserts on a failed all-reduce's future, which crashed every "
+               "survivor); the 4 replicas wait for each other before their first step (a file each), so the "
+               "first quorum holds all four",
+}
+RUN_TIMEOUT_S = 240
+
+
+@dataclasses.dataclass
+class Config:
+    steps: int = 30
+    kill_at: int = 15
+    checkpoint_every: int = 10
+    workers: int = 4
+    torchft_timeout_s: float = 5.0
+    lighthouse_heartbeat_ms: int = 5000  # torchft's default (1000 dropped live replicas on this loaded machine)
+
+    def overrides(self) -> list[str]:
+        return [f"run.steps={self.steps}", f"checkpoint.interval_steps={self.checkpoint_every}",
+                f"faults.schedule.0.at_step={self.kill_at}"]
+
+
+TINY = Config(steps=8, kill_at=5, checkpoint_every=2)
+
+
+# ----------------------------------------------------------------------------- a run's timeline
+
+@dataclasses.dataclass
+class Run:
+    """What every tool's run comes down to: commits (t, step, slot, samples, took part),
+    the kill's time, the pids per slot and the final weights' sha256."""
+    commits: list[tuple[float, int, int, tuple, bool]]
+    kill_t: float | None
+    pids: dict[int, list[int]]
+    sha: str
+    wall_s: float
+
+    def committed_at(self) -> dict[int, float]:
+        """Step -> the time it was first committed by all its participants (the last of them)."""
+        first: dict[int, dict[int, float]] = {}
+        for t, step, slot, _, part in self.commits:
+            if part:
+                first.setdefault(step, {}).setdefault(slot, t)
+        return {s: max(by_slot.values()) for s, by_slot in first.items()}
+
+    def step_time_s(self) -> float:
+        at = sorted(self.committed_at().items())
+        xs = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(at, at[1:]) if b[0] > a[0]]
+        xs = xs[2:] if len(xs) > 6 else xs
+        return statistics.median(xs)
+
+    def data(self) -> dict[int, tuple]:
+        """Step -> what its update was computed from: (slot, samples) of every participant, as
+        the step was last committed."""
+        last: dict[int, dict[int, tuple]] = {}
+        for t, step, slot, samples, part in sorted(self.commits):
+            if part:
+                last.setdefault(step, {})[slot] = samples
+        return {s: tuple(sorted(v.items())) for s, v in last.items()}
+
+    def fault_figures(self) -> dict:
+        assert self.kill_t is not None, "a run without a fault"
+        after = sorted((t, step) for t, step, _, _, part in self.commits if part and t > self.kill_t)
+        before = [step for t, step, _, _, part in self.commits if part and t <= self.kill_t]
+        last_before = max(before, default=0)
+        downtime = after[0][0] - self.kill_t if after else float("nan")
+        recomputed = len({step for _, step in after if step <= last_before})
+        back = next((t for t, step in after if step > last_before), float("nan")) - self.kill_t
+        return {"downtime_s": downtime, "steps_recomputed": recomputed, "back_to_pace_s": back,
+                "processes_restarted": sum(len(p) - 1 for p in self.pids.values())}
+
+
+def read_peer_logs(out: Path, wall_s: float) -> Run:
+    commits, pids, kill_t, shas = [], {}, None, {}
+    for path in sorted(out.glob("log-*.jsonl")):
+        slot = int(path.stem.split("-")[1])
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if r["kind"] == "start":
+                pids.setdefault(slot, []).append(r["pid"])
+            elif r["kind"] == "commit":
+                commits.append((r["t"], r["step"], slot, tuple(r["samples"]), bool(r["part"])))
+            elif r["kind"] == "kill":
+                kill_t = r["t"]
+            elif r["kind"] == "end":
+                shas[slot] = r["sha"]
+    if len(set(shas.values())) != 1 or 0 not in shas:
+        raise RuntimeError(f"{out}: the workers ended with different weights, or worker 0 did not end: {shas}")
+    return Run(commits, kill_t, pids, shas[min(shas)], wall_s)
+
+
+# ----------------------------------------------------------------------------- launching peers
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "--max-restarts=1", "--monitor-interval=0.1", str(TRAIN), *extra]
+
+
+def wait_all(procs: list[subprocess.Popen], what: str, timeout: float = RUN_TIMEOUT_S,
+             done=lambda: False) -> None:
+    """Wait for every launcher to exit 0, or until `done()` says the run has all it needs
+    (the launchers left are then killed)."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not done():
+            if all(p.poll() is not None for p in procs):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: did not finish in {timeout:.0f} s")
+            time.sleep(0.1)
+        for p in procs:
+            if p.poll() not in (None, 0):
+                raise RuntimeError(f"{what}: a launcher exited with {p.returncode}; see the logs there")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    f = open(log, "w")
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def run_torchrun(cfg: Config, out: Path, *, fault: bool, checkpoints: bool = True, weights_only: bool = False) -> Run:
+    out.mkdir(parents=True)
+    extra = ["--mode", "torchrun", "--out", str(out), "--checkpoint-every", str(cfg.checkpoint_every if checkpoints else 0),
+             *sum((["--set", s] for s in cfg.overrides()), [])]
+    if fault:
+        extra += ["--kill-at", str(cfg.kill_at)]
+    if weights_only:
+        extra += ["--resume-weights-only"]
+    t0 = time.monotonic()
+    wait_all([spawn(torchrun_cmd(cfg.workers, extra), out / "torchrun.log")], f"torchrun ({out})")
+    return read_peer_logs(out, time.monotonic() - t0)
+
+
+def run_torchft(cfg: Config, out: Path, *, fault: bool) -> Run:
+    from torchft._torchft import LighthouseServer
+    out.mkdir(parents=True)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=cfg.workers - 1,
+                                  heartbeat_timeout_ms=cfg.lighthouse_heartbeat_ms)
+    try:
+        env = {"TORCHFT_LIGHTHOUSE": lighthouse.address()}
+        procs = []
+        t0 = time.monotonic()
+        for r in range(cfg.workers):
+            extra = ["--mode", "torchft", "--out", str(out), "--replica", str(r), "--replicas", str(cfg.workers),
+                     "--torchft-timeout", str(cfg.torchft_timeout_s), *sum((["--set", s] for s in cfg.overrides()), [])]
+            if fault:
+                extra += ["--kill-at", str(cfg.kill_at)]
+            procs.append(spawn(torchrun_cmd(1, extra), out / f"replica-{r}.log", env))
+        wait_all(procs, f"torchft ({out})", done=lambda: torchft_done(out, cfg, fault))
+        return read_peer_logs(out, time.monotonic() - t0)
+    finally:
+        lighthouse.shutdown()
+
+
+def torchft_done(out: Path, cfg: Config, fault: bool) -> bool:
+    """The survivors have ended and the killed replica's torchrun has started it again. The
+    survivors go on with 3 replicas and finish before the relaunched one can rejoin (its torch
+    import alone takes longer than the steps left), which would then wait out its quorum timeout."""
+    if not fault:
+        return False
+    ended = [p for p in out.glob("log-*.jsonl") if '"kind": "end"' in p.read_text()]
+    victim = out / "log-1.jsonl"
+    restarted = victim.exists() and '"attempt": 1' in victim.read_text()
+    return len(ended) >= cfg.workers - 1 and restarted
+
+
+def run_keel(cfg: Config, out: Path, *, policy: str, fault: bool) -> Run:
+    from keel.events import read_events
+    from keel.scenario import load
+    from runtime.api import run_scenario
+    from runtime.data import Loader, ensure_dataset
+
+    sc = load(SCENARIO, [f"policy.kind={policy}", *cfg.overrides()])
+    summary = run_scenario(sc, out, progress=False, no_faults=not fault, hangs="")
+    events = read_events(out / "events.jsonl")
+    loader = Loader(ensure_dataset(shards=sc.data.shards), sc.run.seed, sc.model.context, sc.workload.micro_batch)
+    quarantine = frozenset(summary.get("quarantine") or ())
+    slots = set(range(sc.slot_count))  # the first generation holds every slot
+    commits, kill_t = [], None
+    for e in events:
+        if e.kind == "fault":
+            kill_t = e.t
+        elif e.kind == "reslot" and "slot_map" in e.detail:
+            slots = {s for held in e.detail["slot_map"].values() for s in held}
+        elif e.kind == "step":  # one record per slot the committed step reduced
+            for s in sorted(slots):
+                commits.append((e.t, e.step, s, tuple(loader.sample_indices(e.step - 1, s, quarantine)), True))
+    pids = {i: list(p) for i, p in enumerate(summary["pids"].values())}
+    return Run(commits, kill_t, pids, summary["final_weights_sha256"], summary["wall_s"])
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+def torchft_missing() -> str | None:
+    try:
+        import torchft  # noqa: F401
+        from torchft._torchft import LighthouseServer  # noqa: F401
+    except Exception as e:  # ImportError, or a build that does not load with this torch
+        return f"torchft not importable ({type(e).__name__}: {e}); install the extra: pip install -e '.[peers]'"
+    return None
+
+
+def fault_free(tool: str, cfg: Config, out: Path) -> Run:
+    if tool in ("torchrun", "torchrun_weights_only"):
+        return run_torchrun(cfg, out, fault=False)
+    if tool == "torchft":
+        return run_torchft(cfg, out, fault=False)
+    return run_keel(cfg, out, policy="absorb", fault=False)
+
+
+def faulted(tool: str, cfg: Config, out: Path) -> Run:
+    if tool == "torchrun":
+        return run_torchrun(cfg, out, fault=True)
+    if tool == "torchrun_weights_only":
+        return run_torchrun(cfg, out, fault=True, weights_only=True)
+    if tool == "torchft":
+        return run_torchft(cfg, out, fault=True)
+    return run_keel(cfg, out, policy="absorb" if tool == "keel_absorb" else "checkpoint_restart", fault=True)
+
+
+def median_range(xs: list[float]) -> tuple[float, list[float]]:
+    return statistics.median(xs), [min(xs), max(xs)]
+
+
+def compare(tools: list[str], cfg: Config, repeats: int, work: Path, progress: bool = True, ddp: bool = True) -> dict:
+    """Every configuration `repeats` times, interleaved: DDP, then each tool fault-free and with
+    the fault. keel's fault-free run serves both keel policies (the policy acts only on a fault)."""
+    from keel.progress import progress_bar
+
+    ff_key = {t: ("keel" if t.startswith("keel") else "torchrun" if t.startswith("torchrun") else t) for t in tools}
+    ff_names = list(dict.fromkeys(ff_key.values()))
+    rows: dict[str, list[dict]] = {t: [] for t in tools}
+    ddp_s: list[float] = []
+    ff_shas: dict[str, set[str]] = {name: set() for name in ff_names}
+    total = repeats * (int(ddp) + len(ff_names) + len(tools))
+    with progress_bar(total=total, desc="peers", unit="run", enabled=progress, every_s=15.0) as bar:
+        for rep in range(repeats):
+            if ddp:
+                ddp_s.append(run_torchrun(cfg, work / f"r{rep}-ddp", fault=False, checkpoints=False).step_time_s())
+                bar.update()
+            ff: dict[str, Run] = {}
+            for name in ff_names:
+                ff[name] = fault_free(next(t for t in tools if ff_key[t] == name), cfg, work / f"r{rep}-{name}-ff")
+                ff_shas[name].add(ff[name].sha)
+                bar.update()
+            for tool in tools:
+                run = faulted(tool, cfg, work / f"r{rep}-{tool}-fault")
+                base = ff[ff_key[tool]]
+                rows[tool].append({**run.fault_figures(), "step_s": base.step_time_s(),
+                                   "step_ratio_to_ddp": base.step_time_s() / ddp_s[-1] if ddp else None,
+                                   "weights_equal_fault_free": run.sha == base.sha,
+                                   "data_equal_fault_free": run.data() == base.data()})
+                bar.update()
+                bar.set_postfix(**{tool: f"{rows[tool][-1]['downtime_s']:.2f} s"})
+    out = {}
+    for tool, rs in rows.items():
+        down, down_range = median_range([r["downtime_s"] for r in rs])
+        ratio, ratio_range = median_range([r["step_ratio_to_ddp"] for r in rs]) if ddp else (None, None)
+        back, back_range = median_range([r["back_to_pace_s"] for r in rs])
+        out[tool] = {
+            "downtime_s": down, "downtime_s_range": down_range,
+            "step_ratio_to_ddp": ratio, "step_ratio_to_ddp_range": ratio_range,
+            "back_to_step_s": back, "back_to_step_s_range": back_range,
+            "step_ms": 1000 * statistics.median(r["step_s"] for r in rs),
+            "steps_recomputed": int(statistics.median(r["steps_recomputed"] for r in rs)),
+            "processes_restarted": int(statistics.median(r["processes_restarted"] for r in rs)),
+            "weights_equal_fault_free": all(r["weights_equal_fault_free"] for r in rs),
+            "data_equal_fault_free": all(r["data_equal_fault_free"] for r in rs),
+            "repeats": len(rs), "per_repeat": rs,
+            # every fault-free run of the tool ended with the same weights (the reference is stable)
+            "fault_free_reproducible": len(ff_shas[ff_key[tool]]) == 1,
+        }
+        if tool in WORKAROUNDS:
+            out[tool]["workaround"] = WORKAROUNDS[tool]
+    return {"tools": out, "ddp_step_ms": 1000 * statistics.median(ddp_s) if ddp else None,
+            "ddp_step_ms_range": [1000 * min(ddp_s), 1000 * max(ddp_s)] if ddp else None}
+
+
+def machine() -> str:
+    import torch
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{platform.node()}, {os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}, "
+            f"torch {torch.__version__}, load average {load:.1f} at start")
+
+
+def print_table(result: dict, cfg: Config, repeats: int) -> None:
+    print(f"peers side by side: 4 workers, keel's model and data, {cfg.steps} steps, worker 1 SIGKILLed at step "
+          f"{cfg.kill_at}, a checkpoint every {cfg.checkpoint_every} steps; median [min-max] of {repeats}, interleaved")
+    print(f"{result['machine']}; {result['date']}")
+    if result["ddp_step_ms"] is not None:
+        print(f"plain DDP (gloo) fault-free step: {result['ddp_step_ms']:.1f} ms "
+              f"[{result['ddp_step_ms_range'][0]:.1f}-{result['ddp_step_ms_range'][1]:.1f}]")
+    head = f"{'tool':22}{'step / DDP':>18}{'downtime s':>22}{'back to step s':>22}{'recomputed':>11}{'restarted':>10}" \
+           f"{'weights =':>10}{'data =':>8}"
+    print(head)
+    print("-" * len(head))
+    for tool, r in result["tools"].items():
+        ratio = (f"{r['step_ratio_to_ddp']:>7.2f} [{r['step_ratio_to_ddp_range'][0]:.2f}-{r['step_ratio_to_ddp_range'][1]:.2f}]"
+                 if r["step_ratio_to_ddp"] is not None else f"{'-':>18}")
+        print(f"{tool:22}{ratio}"
+              f"{r['downtime_s']:>9.2f} [{r['downtime_s_range'][0]:.2f}-{r['downtime_s_range'][1]:.2f}]"
+              f"{r['back_to_step_s']:>9.2f} [{r['back_to_step_s_range'][0]:.2f}-{r['back_to_step_s_range'][1]:.2f}]"
+              f"{r['steps_recomputed']:>11}{r['processes_restarted']:>10}"
+              f"{'yes' if r['weights_equal_fault_free'] else 'NO':>10}{'yes' if r['data_equal_fault_free'] else 'NO':>8}")
+    print("weights = / data =: the final weights (bitwise) and the samples of every committed step equal the "
+          "tool's own fault-free run; back to step: the fault to the first commit beyond the last step committed before it")
+    for tool, why in result["skipped"].items():
+        print(f"skipped {tool}: {why}")
+    for tool, r in result["tools"].items():
+        if "workaround" in r:
+            print(f"workaround applied to {tool}: {r['workaround']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, among {', '.join(TOOLS + CHECK_TOOLS)}")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--tiny", action="store_true", help=f"a tiny configuration for tests ({TINY.steps} steps)")
+    p.add_argument("--torchft-timeout", type=float, default=None, help="torchft's process-group timeout (s)")
+    p.add_argument("--no-ddp", action="store_true", help="leave out the plain DDP baseline (no step ratios)")
+    p.add_argument("--work", default=None, help="keep the runs' logs here (default: a temporary directory)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    cfg = dataclasses.replace(TINY if args.tiny else Config(), **{k: v for k, v in (
+        ("steps", args.steps), ("kill_at", args.kill_at), ("checkpoint_every", args.checkpoint_every),
+        ("torchft_timeout_s", args.torchft_timeout)) if v is not None})
+    tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+    bad = [t for t in tools if t not in TOOLS + CHECK_TOOLS]
+    if bad:
+        print(f"peers.py: --tools: unknown tool {bad[0]!r}; expected among {', '.join(TOOLS + CHECK_TOOLS)}", file=sys.stderr)
+        return 2
+    skipped = {}
+    if "torchft" in tools and (why := torchft_missing()):
+        skipped["torchft"] = why
+        tools.remove("torchft")
+        print(f"peers.py: skipping torchft: {why}", file=sys.stderr)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    mach = machine()
+    with tempfile.TemporaryDirectory(prefix="keel-peers-") as tmp:
+        work = Path(args.work) if args.work else Path(tmp)
+        result = compare(tools, cfg, args.repeats, work, ddp=not args.no_ddp)
+    result = {**result, "machine": mach, "date": started.strftime("%Y-%m-%d %H:%M UTC"), "skipped": skipped,
+              "command": "bench/peers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "config": dataclasses.asdict(cfg), "repeats": args.repeats,
+              "wall_s": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()}
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        print_table(result, cfg, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
