@@ -27,5 +27,12 @@ test: $(STAMP)
 reliability: $(STAMP)
 	$(BIN)/python bench/reliability.py
 
+# Issue 14: keel side by side with torchrun elastic and torchft, DCP, a naive SimPy model and torch's
+# DataLoader, in one invocation; writes docs/benchmarks.md and docs/figures/bench-*.svg.
+.PHONY: bench
+bench: $(STAMP)
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[peers]' || echo "make bench: torchft not installed; bench/peers.py skips it and says why"
+	$(BIN)/python bench/peers_report.py
+
 clean:
 	rm -rf $(VENV)
