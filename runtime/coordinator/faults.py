@@ -6,7 +6,9 @@ generation); data faults add `quarantine`; `checkpoint_restart` adds `restart`.
 
 Scheduled faults fire when `at_step` steps are committed; a fault whose step is reached while
 another is being recovered fires as soon as the new generation is announced (so schedule two
-faults at one step to hit a recovery).
+faults at one step to hit a recovery). A fault that finds nothing to strike (its node or every
+node of its region already down, its shard already quarantined) opens no episode, as in the
+twin; a spike whose nodes are all lost ends at the next commit.
 """
 from __future__ import annotations
 
