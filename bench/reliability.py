@@ -2,6 +2,8 @@
 
     python bench/reliability.py [--reduced] [--out docs/reliability.md] [PYTEST_ARGS...]
 
+PYTEST_ARGS may name test files (then only those run) or select with -k.
+
 Runs `pytest -m reliability` over tests/ with KEEL_RELIABILITY=full (or the reduced counts of
 `make test` with --reduced) and KEEL_RELIABILITY_LOG naming a JSON-lines file. Each test marked
 `reliability` joins the table; the counts come from its `record` fixture (tests/conftest.py):
@@ -114,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         log = Path(tmp) / "records.jsonl"
         env = {**os.environ, "KEEL_RELIABILITY_LOG": str(log)}
         env["KEEL_RELIABILITY"] = "full" if full else "reduced"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "reliability", "-p", "no:cacheprovider", "tests", *pytest_args]
+        paths = [] if any(not a.startswith("-") for a in pytest_args) else ["tests"]  # given paths: only those
+        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "reliability", "-p", "no:cacheprovider", *paths, *pytest_args]
         t0 = time.monotonic()
         rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
         wall = time.monotonic() - t0
