@@ -321,6 +321,18 @@ def test_set_values_and_flags_are_refused_in_one_line(sets, command, flags):
     assert_refused_or_launched(argv)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "data.shards=1000000"], "key 'data.shards': expected at most 32,768 shards"),
+    (["--set", "model.context=100000000"], "key 'model.context': expected a context shorter than a shard"),
+    (["--steps", "1"], "--steps: expected at least 2 steps"),
+])
+def test_run_refuses_what_its_workers_would_refuse_before_any_starts(argv, message):
+    """Found by hand beside the fuzzer: these ended as exit 1, "every worker process exited
+    before joining the run", half a minute later (and --steps 1 in a traceback)."""
+    code, err = cli(["run", str(LOCAL), *argv])
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
 def test_many_regions_are_checked_quickly():
     """A cluster of 2,000 one-node regions in a chain: the connectivity check is one search
     (it was one per pair of regions, 2 million of them)."""
