@@ -75,7 +75,8 @@ def _attacks(port: int, node: str) -> list[tuple[str, str]]:
 def test_strangers_cannot_join_or_disturb_a_run(tmp_path, monkeypatch):
     from runtime.api import run_scenario
     import runtime.coordinator.core as core
-    monkeypatch.setattr(core, "HELLO_TIMEOUT_S", 1.0)
+    import runtime.coordinator.admission as admission
+    monkeypatch.setattr(admission, "HELLO_TIMEOUT_S", 1.0)
     kw = dict(steps=60, hot_spares=1)
     alone, _ = run(tmp_path, "alone", **kw)
 

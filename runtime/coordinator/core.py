@@ -1,19 +1,17 @@
 """The coordinator's process: its sockets, the workers it tracks, the event log it writes, and
 the event loop with one handler per message type the protocol declares (runtime/protocol.py).
 
-What it decides lives beside it: generations and commits (generations.py, on the pure slot
-planner in planning.py), faults and their episodes (faults.py, on episodes.py and the
-straggler watch in stragglers.py), the worker processes (procs.py).
+What it decides lives beside it: who may join (admission.py), the handlers of each message
+(messages.py), generations and commits (generations.py, on the pure slot planner in
+planning.py), faults and their episodes (faults.py, on episodes.py and the straggler watch in
+stragglers.py), the worker processes (procs.py) and what it knows of each (workers.py).
 """
 from __future__ import annotations
 
-import datetime
 import selectors
 import signal
-import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,52 +19,22 @@ from keel.errors import InputError, RunFailed
 from keel.events import Event, EventLog
 from keel.scenario import Scenario
 
+from runtime.coordinator.admission import AdmissionMixin
+from runtime.coordinator.workers import WorkerState
 from runtime.coordinator.episodes import EpisodeBook
 from runtime.coordinator.faults import FaultsMixin
 from runtime.coordinator.generations import JOIN_TIMEOUT_S, GenerationsMixin
 from runtime.coordinator.messages import MessagesMixin
-from runtime.coordinator.procs import LocalProcess, start_worker
+from runtime.coordinator.procs import start_worker
 from runtime.coordinator.stall import stall_report
 from runtime.coordinator.stragglers import StragglerWatch
 from runtime.inject import planned_faults, poison_schedule
-from runtime.protocol import (HELLO_TIMEOUT_S, MAX_LINE, Channel, ProtocolError, authentic, check_worker_message,
-                              env_secret, new_secret, parse_address, silence_s)
+from runtime.protocol import Channel, ProtocolError, check_worker_message, env_secret, new_secret, parse_address, silence_s
 
 STALL_MIN_S = 60.0
 
 
-def _loopback(host: str) -> bool:
-    import ipaddress
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-@dataclass
-class WorkerState:
-    node: str
-    chan: Channel | None = None
-    proc: LocalProcess | None = None
-    pid: int | None = None
-    alive: bool = True
-    joined: bool = False
-    last_seen: float = 0.0
-    committed: int = 0
-    role: str = "standby"  # member | standby | dead
-    parked: list[int] | None = None  # slots of a straggler standing by
-    done_sha: str | None = None
-    last_msg: dict | None = None  # the last message other than a heartbeat (for stall reports)
-    last_msg_t: float = 0.0
-    last_hb_t: float = 0.0
-    at: str | None = None  # where the worker says it is (sent with each heartbeat)
-    ready_gen: int = -1
-    machine_down: bool = False  # emulated: its machine crashed; only the heartbeat timeout finds it
-
-
-class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
+class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
     """Hosts the rendezvous store and one control connection per worker, tracks the workers
     by heartbeat, process exit and EOF, and is the single writer of `events.jsonl`."""
 
@@ -131,28 +99,6 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
         self._listen()
         self.sel.register(self.listener, selectors.EVENT_READ, None)
 
-    def _listen(self) -> None:
-        """The control port and the rendezvous store, both bound to `self.host` only (torch's
-        TCPStore alone would listen on every interface: it is handed a socket bound here).
-        Beyond loopback, a warning names what is exposed."""
-        import torch.distributed as dist
-        host, port = self.host, self.port_wanted
-        try:
-            self.listener = socket.create_server((host, port), backlog=256)
-            store_sock = socket.create_server((host, 0), backlog=256)
-        except OSError as e:
-            raise InputError(f"--listen {host}:{port}: cannot listen there ({e.strerror or e})") from None
-        self.listener.setblocking(False)
-        self.port = self.listener.getsockname()[1]
-        store_port = store_sock.getsockname()[1]
-        self.store = dist.TCPStore(host, store_port, None, True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=300), master_listen_fd=store_sock.detach())
-        if not _loopback(host):
-            print(f"keel: warning: listening beyond this machine on {host}: the coordinator's port {self.port} "
-                  f"(workers must prove the job's secret) and the rendezvous store's port {store_port} "
-                  f"(torch's TCPStore: no authentication); firewall them to the job's machines",
-                  file=sys.stderr, flush=True)
-
     # ------------------------------------------------------------------------- events
 
     def now(self) -> float:
@@ -211,74 +157,6 @@ class Coordinator(MessagesMixin, GenerationsMixin, FaultsMixin):
                 pass
             w.chan.close()
             w.chan = None
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self.listener.accept()
-            except BlockingIOError:
-                return
-            sock.setblocking(True)
-            chan = Channel(sock, max_line=MAX_LINE)
-            chan.nonce, chan.opened = new_secret(), time.monotonic()
-            self.sel.register(sock, selectors.EVENT_READ, chan)
-            chan.send({"type": "challenge", "nonce": chan.nonce})
-
-    def _close(self, chan: Channel, node: str | None = None, why: str | None = None) -> None:
-        """Close a connection; a worker's (`node`) is then lost, for `why`."""
-        try:
-            self.sel.unregister(chan.sock)
-        except (KeyError, ValueError):
-            pass
-        chan.close()
-        if node is not None and self.workers[node].chan is chan and not self.workers[node].machine_down:
-            self.workers[node].chan = None
-            self._lost(self.workers[node], why or "connection closed")
-
-    def _drop_strangers(self, now: float) -> None:
-        """Connections that have not said an authentic hello within HELLO_TIMEOUT_S."""
-        for key in list(self.sel.get_map().values()):
-            chan = key.data
-            if isinstance(chan, Channel) and now - chan.opened > HELLO_TIMEOUT_S:
-                self._close(chan)
-
-    def _assign_node(self, msg: dict) -> str | None:
-        node = msg.get("node")
-        if node:
-            return node if node in self.order else None
-        free = [n for n in self.nodes if n not in self.workers or not self.workers[n].alive]
-        hint = msg.get("rank_hint")
-        if isinstance(hint, int) and 0 <= hint < len(self.nodes) and self.nodes[hint] in free:
-            return self.nodes[hint]
-        return free[0] if free else None
-
-    def _on_hello(self, chan: Channel, msg: dict) -> str | None:
-        if msg.get("type") != "hello" or not authentic(self.secret, chan.nonce or "", msg.get("mac")):
-            chan.send({"type": "refused", "reason": "not the job's secret (KEEL_JOB_SECRET)"})
-            self._close(chan)
-            return None
-        node = self._assign_node(msg)
-        if node is None:
-            chan.send({"type": "refused", "reason": "no such node, or every node is taken"})
-            self._close(chan)
-            return None
-        w = self.workers.get(node)
-        if w is None or (not self.spawn_local and not w.alive):
-            w = self.workers[node] = WorkerState(node=node, last_seen=time.monotonic())
-        if w.chan is not None and w.chan is not chan:
-            self._drop_channel(w)
-        w.chan = chan
-        self.sel.modify(chan.sock, selectors.EVENT_READ, (chan, node))
-        w.pid = int(msg.get("pid") or 0) or w.pid
-        if w.proc is None and w.pid and w.pid not in self.pid_history[node]:
-            self.pid_history[node].append(w.pid)
-        w.last_seen = time.monotonic()
-        chan.send({"type": "welcome", "node": node, "scenario": self.config, "source": self.sc.source,
-                   "store_port": self.store.port, "store_host": self.host, "config_hash": self.config_hash,
-                   "out_dir": str(self.out.resolve()), "local_index": self.order[node], "silence_s": self.silence_s,
-                   **self.welcome,
-                   **({"emulation": {"anchor": self.t0, "scale": self.scale}} if self.emulated else {})})
-        return node
 
     # ------------------------------------------------------------------------- the loop
 

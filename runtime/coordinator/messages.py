@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from runtime.coordinator.core import WorkerState
+    from runtime.coordinator.workers import WorkerState
 
 
 class MessagesMixin:
