@@ -102,7 +102,7 @@ st.dataframe(data.plan_table(plan), hide_index=True)
 numbers = [r["number"] for r in rows]
 if numbers:
     c1, c2 = st.columns([1, 3])
-    number = c1.selectbox("candidate", numbers, key="plan_trial", format_func=lambda n: f"#{n}")
+    number = int(c1.selectbox("candidate", [f"#{n}" for n in numbers], key="plan_trial")[1:])
     trial = next(t for t in plan["trials"] if t.get("number") == number)
     c2.code("\n".join(data.overrides_of(data.policy_of(trial))) or "(the scenario's own policy)", language=None)
     if c1.button("Send this candidate to Simulate", key="plan_send_trial"):
