@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "scenario's tolerances")
     scenario_args(sp, required=False)
     sp.add_argument("--calibration", default=None, metavar="FILE",
-                    help="calibration.json from keel calibrate (default: measure one first)")
+                    help="calibration.json from keel calibrate (default: the one in the output directory, "
+                         "else measure one first)")
     sp.add_argument("--out", default=None, metavar="DIR",
                     help="output directory (default: runs/validate-RUN_NAME)")
     json_flag(sp, "the comparison")

@@ -151,3 +151,30 @@ def test_version_and_a_bad_flag_name_the_command(capsys):
     assert main(["simulate", "--replicas", "0"]) == 2
     err = capsys.readouterr().err
     assert err == "keel: argument --replicas: expected a positive integer, got 0 (see keel simulate --help)\n"
+
+
+def _subparsers(parser, prefix="keel"):
+    import argparse
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield f"{prefix} {name}", sub
+                yield from _subparsers(sub, f"{prefix} {name}")
+
+
+def test_every_option_of_every_command_has_help_and_its_default():
+    """`keel COMMAND --help` explains every option; where an option has a default, the help
+    shows it (`default: ...`), or says what leaving it out means."""
+    from keel.cli import build_parser
+    commands = dict(_subparsers(build_parser()))
+    assert {"keel simulate", "keel run", "keel plan", "keel validate", "keel report", "keel app",
+            "keel data prepare", "keel ckpt verify", "keel demo", "keel scenario"} <= set(commands)
+    for name, sub in commands.items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if action.dest in ("help", "command", "data_command", "ckpt_command"):
+                continue
+            assert action.help, f"{name} {action.option_strings or action.dest}: no help text"
+            shown = formatter._get_help_string(action) % {"default": action.default}
+            if action.default not in (None, False, []) and action.nargs != 0:
+                assert "default" in shown, f"{name} {action.option_strings or action.dest}: default not shown"
