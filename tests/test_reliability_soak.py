@@ -1,5 +1,5 @@
 """Reliability, soak (issue 13): one run of tests/reliability-8.toml with a fault every few
-steps, of every class: 200 of them with `KEEL_RELIABILITY=full` (`make reliability`), 30
+steps, of every class: 200 of them with `KEEL_RELIABILITY=full` (`make reliability`), 20
 otherwise (`make test`).
 
 The run cannot lose more workers than it has: the runtime brings no node back (a killed
@@ -14,8 +14,9 @@ What it must show: 0 restarts; every fault's episode complete (fault, detect, re
 recover_end, then a commit; tests/test_reliability_faults.py's check_run); the final weights
 and every loss bit-identical to the reference run, which is the run of only its data faults
 (a NaN shard changes the data by design, every other fault must change no bit); and the
-survivors' memory flat: the resident set (and the open descriptors) of each worker that
-lived through the whole run, sampled from /proc after the first steps and at the end.
+survivors' memory flat: the resident set, open descriptors and threads of each worker that
+lived through the whole run, sampled from /proc after the first steps and at the end. That
+last one does not hold yet (test_soak_survivors_flat, an expected failure that says why).
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ import pytest
 from test_reliability_faults import (FULL, SPIKE, Tally, check_run, data_faults, drawn_shards, note_run, run,
                                      same_trajectory, scenario_text)
 
-FAULTS = 200 if FULL else 30
-SPIKES = 30 if FULL else 4
+FAULTS = 200 if FULL else 20
+SPIKES = 30 if FULL else 3
 SHARDS = 256
 SPIKED = ["a/1", "b/1", "c/1"]  # never killed: the spikes' targets, and the run's last three workers
 # (fraction of the run, fault): the kills, spread over the run
@@ -44,7 +45,7 @@ KILLS = [(0.10, {"class": "partial_cluster_loss", "target": "a", "nodes": 1}),  
 SPIKE_GAP = 30       # steps between spikes: the same node again only every 3 x 30 steps
 TAIL = 80            # steps after the last fault (the last spike is 25 before it)
 # growth of a survivor's resident set over the run that still counts as flat
-RSS_SLACK_BYTES = 32 * 2**20
+RSS_SLACK_BYTES = 16 * 2**20
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(900 if FULL else 300)]
 
@@ -80,7 +81,7 @@ class MemorySampler(threading.Thread):
     def __init__(self, events: Path, every: float = 0.5):
         super().__init__(daemon=True)
         self.events, self.every = events, every
-        self.samples: dict[int, list[tuple[int, int, int]]] = {}  # pid -> [(committed, rss, fds)]
+        self.samples: dict[int, list[tuple[int, int, int, int]]] = {}  # pid -> [(committed, rss, fds, threads)]
         self.stop = threading.Event()
 
     def committed(self) -> int:
@@ -101,9 +102,9 @@ class MemorySampler(threading.Thread):
         while not self.stop.wait(self.every):
             step = self.committed()
             for pid in descendants(os.getpid()):
-                rss, fds = rss_and_fds(pid)
+                rss, fds, threads = usage(pid)
                 if rss:
-                    self.samples.setdefault(pid, []).append((step, rss, fds))
+                    self.samples.setdefault(pid, []).append((step, rss, fds, threads))
 
 
 def descendants(pid: int) -> list[int]:
@@ -121,23 +122,26 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def rss_and_fds(pid: int) -> tuple[int, int]:
+def usage(pid: int) -> tuple[int, int, int]:
+    """Resident bytes, open descriptors and threads of `pid` (zeros once it is gone)."""
     try:
         with open(f"/proc/{pid}/status") as fh:
-            rss = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
-        return rss, len(os.listdir(f"/proc/{pid}/fd"))
-    except (OSError, StopIteration):
-        return 0, 0
+            status = dict(line.split(":", 1) for line in fh if ":" in line)
+        rss = int(status["VmRSS"].split()[0]) * 1024
+        return rss, len(os.listdir(f"/proc/{pid}/fd")), int(status["Threads"])
+    except (OSError, KeyError, ValueError):
+        return 0, 0, 0
 
 
-def test_soak(tmp_path, record):
+@pytest.fixture(scope="module")
+def soak(tmp_path_factory) -> dict[str, Any]:
+    """The soak run (sampled) and its reference, once for the module's tests."""
+    tmp = tmp_path_factory.mktemp("soak")
     schedule = soak_schedule()
-    assert len(schedule) == FAULTS and {f["class"] for f in schedule} == {
-        "hardware_fault", "partial_cluster_loss", "network_jitter", "data_shard_skew"}
     steps = schedule[-1]["at_step"] + TAIL
-    (tmp_path / "soak.toml").write_text(scenario_text(schedule).replace("shards = 16", f"shards = {SHARDS}")
-                                        .replace("steps = 100", f"steps = {steps}"))  # `keel run` replays it
-    out = tmp_path / "soak"
+    (tmp / "soak.toml").write_text(scenario_text(schedule).replace("shards = 16", f"shards = {SHARDS}")
+                                   .replace("steps = 100", f"steps = {steps}"))  # `keel run` replays it
+    out = tmp / "soak"
     out.mkdir()
     sampler = MemorySampler(out / "events.jsonl")
     sampler.start()
@@ -148,29 +152,46 @@ def test_soak(tmp_path, record):
         sampler.stop.set()
         sampler.join()
     wall = time.monotonic() - t0
-    tally: Tally = check_run(summary, events, schedule, steps)
-    assert sum(tally.survived.values()) == FAULTS
-    assert events[-1].kind == "run_end" and events[-1].detail["final_weights_sha256"]
-
-    only_data, _ = run(tmp_path / "only-data", data_faults(schedule), steps, f"data.shards={SHARDS}")
-    same_trajectory(summary, only_data, "the run of only its data faults")
-
-    # the survivors' memory: the first sample after step 20 against the last one
-    survivors = [n for n in SPIKED + ["c/0"] if len(summary["pids"][n]) == 1]
+    only_data, _ = run(tmp / "only-data", data_faults(schedule), steps, f"data.shards={SHARDS}")
+    # the survivors' usage: the first sample after step 20 against the last one
     memory = {}
-    for node in survivors:
+    for node in (n for n in SPIKED + ["c/0"] if len(summary["pids"][n]) == 1):
         (pid,) = summary["pids"][node]
         series = [s for s in sampler.samples.get(pid, []) if s[0] >= 20]
         assert len(series) >= 2, (node, sampler.samples.get(pid))
-        (s0, rss0, fd0), (s1, rss1, fd1) = series[0], series[-1]
+        (s0, rss0, fd0, th0), (s1, rss1, fd1, th1) = series[0], series[-1]
         memory[node] = {"steps": [s0, s1], "rss_mib": [round(rss0 / 2**20, 1), round(rss1 / 2**20, 1)],
-                        "fds": [fd0, fd1]}
-    print(json.dumps({"soak_memory": memory}))
-    note_run(record, "soak", tally, wall, steps=steps, generations=summary["generations"],
+                        "fds": [fd0, fd1], "threads": [th0, th1]}
+    print(json.dumps({"soak_memory": memory, "generations": summary["generations"]}))
+    return {"schedule": schedule, "steps": steps, "summary": summary, "events": events, "wall_s": wall,
+            "only_data": only_data, "memory": memory}
+
+
+def test_soak(soak, record):
+    schedule, steps, summary, events = soak["schedule"], soak["steps"], soak["summary"], soak["events"]
+    assert len(schedule) == FAULTS and {f["class"] for f in schedule} == {
+        "hardware_fault", "partial_cluster_loss", "network_jitter", "data_shard_skew"}
+    tally: Tally = check_run(summary, events, schedule, steps)
+    assert sum(tally.survived.values()) == FAULTS
+    assert events[-1].kind == "run_end" and events[-1].detail["final_weights_sha256"]
+    same_trajectory(summary, soak["only_data"], "the run of only its data faults")
+    assert len(soak["memory"]) == 4  # a/1, b/1, c/1, c/0 lived through it all
+    note_run(record, "soak", tally, soak["wall_s"], steps=steps, generations=summary["generations"],
              quarantined=len(summary["quarantine"]))
-    record.note("memory (MiB resident, open fds; after step 20 -> end)",
-                ", ".join(f"{n} {m['rss_mib'][0]} -> {m['rss_mib'][1]}, {m['fds'][0]} -> {m['fds'][1]}"
-                          for n, m in memory.items()))
-    for node, m in memory.items():
-        rss0, rss1 = (x * 2**20 for x in m["rss_mib"])
-        assert rss1 - rss0 < RSS_SLACK_BYTES, f"{node}'s resident set grew over the soak: {m}"
+    record.note("survivors after step 20 -> at the end (MiB resident; open descriptors; threads)",
+                ", ".join(f"{n} {m['rss_mib'][0]} -> {m['rss_mib'][1]}; {m['fds'][0]} -> {m['fds'][1]}; "
+                          f"{m['threads'][0]} -> {m['threads'][1]}" for n, m in soak["memory"].items()))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "not flat yet: every generation's gloo group stays referenced (runtime/groups.py, GroupFactory.pgs: "
+    "destroying one with a collective in flight blocks), so each survivor gains ~3 threads, ~6 open "
+    "descriptors and ~0.4 MiB per generation (4 Dec: 61 generations, 8 -> 192-219 threads, 16-23 -> "
+    "342-472 descriptors, 274 -> 292-303 MiB); remove this mark when they are released"))
+def test_soak_survivors_flat(soak):
+    """The survivors' threads, descriptors and resident set at the end of the soak are what
+    they were after its first steps (a little slack for the allocator and the store pool)."""
+    for node, m in soak["memory"].items():
+        assert m["threads"][1] <= m["threads"][0] + 4, f"{node}: threads {m}"
+        assert m["fds"][1] <= m["fds"][0] + 16, f"{node}: open descriptors {m}"
+        assert (m["rss_mib"][1] - m["rss_mib"][0]) * 2**20 < RSS_SLACK_BYTES, f"{node}: resident set {m}"
