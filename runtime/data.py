@@ -47,9 +47,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def default_root(shards: int = 16) -> Path:
-    """Where `ensure_dataset` keeps a dataset of `shards` shards: `$KEEL_DATA_DIR` (or the
-    repository's `data/`) / `stdlib-<shards>`."""
-    base = Path(os.environ.get("KEEL_DATA_DIR") or REPO_ROOT / "data")
+    """Where `ensure_dataset` keeps a dataset of `shards` shards: `$KEEL_DATA_DIR`, else the
+    checkout's `data/` (beside pyproject.toml), else, for an installed copy, the user's cache
+    (`$XDG_CACHE_HOME/keel/data`, ~/.cache/keel/data), never inside site-packages; then
+    `stdlib-<shards>`."""
+    if os.environ.get("KEEL_DATA_DIR"):
+        base = Path(os.environ["KEEL_DATA_DIR"])
+    elif (REPO_ROOT / "pyproject.toml").exists():
+        base = REPO_ROOT / "data"
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "keel" / "data"
     return base / f"stdlib-{shards}"
 
 

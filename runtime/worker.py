@@ -407,9 +407,11 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.worker")
-    p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT",
+                   help="the coordinator to join (the job's secret comes from $KEEL_JOB_SECRET)")
     p.add_argument("--node", default=None, help="scenario node name (default: from RANK, or the coordinator's choice)")
-    p.add_argument("--die-with-parent", action="store_true")
+    p.add_argument("--die-with-parent", action="store_true",
+                   help="exit when the process that started this one dies (PR_SET_PDEATHSIG; keel run sets it)")
     args = p.parse_args(argv)
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps every thread's stack to the log

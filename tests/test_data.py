@@ -183,3 +183,16 @@ def test_poisoned_shard_gives_nan_weights(dataset):
     p = L.batch(step, 0, poisoned=poisoned)
     assert torch.equal(p.x, b.x)
     assert [bool(torch.isnan(v)) for v in p.w] == [s in poisoned for s in b.shards]
+
+
+def test_the_dataset_lives_in_the_checkout_or_the_user_cache_never_in_site_packages(tmp_path, monkeypatch):
+    from runtime import data
+    monkeypatch.delenv("KEEL_DATA_DIR", raising=False)
+    assert data.default_root(16) == data.REPO_ROOT / "data" / "stdlib-16"  # this checkout
+    installed = tmp_path / "site-packages"  # an installed copy: no pyproject.toml beside it
+    installed.mkdir()
+    monkeypatch.setattr(data, "REPO_ROOT", installed)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert data.default_root(8) == tmp_path / "cache" / "keel" / "data" / "stdlib-8"
+    monkeypatch.setenv("KEEL_DATA_DIR", str(tmp_path / "mine"))
+    assert data.default_root(8) == tmp_path / "mine" / "stdlib-8"

@@ -19,7 +19,7 @@ Calibrated primitives (name: what it is; where the scenario value comes from):
                           may give it (a process death on a live machine, seen as connection loss)
   detect_rack_s           the same for a rack loss (`partial_cluster_loss`), s (default: detect_kill_s)
   reform_s                survivors re-form the group (new generation, fresh process group), s
-                          (0.1: ARCHITECTURE.md's measured 70-130 ms with gloo; `keel calibrate`
+                          (0.1: the 70-130 ms measured with gloo on the 2-core test bed; `keel calibrate`
                           measures it in emulated runs of the scenario)
   state_transfer_gbyte_s  peer-to-peer state copy between two nodes, GB/s (first region's
                           node bandwidth; the topology scales it for other routes)
