@@ -123,6 +123,8 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
     """Measure and fit; the object `calibration.json` holds."""
     from keel.paths import DEFAULT_SCENARIO
     base = base or S.load(DEFAULT_SCENARIO)
+    from runtime.api import check_runnable
+    check_runnable(base)
     started = time.perf_counter()
 
     def say(msg: str) -> None:

@@ -169,6 +169,8 @@ def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | No
         raise InputError(f"{scenario.source}: key 'faults.schedule': validation replays a fault schedule; "
                          "expected at least one [[faults.schedule]] entry")
     scenario = emulated(scenario)
+    from runtime.api import check_runnable
+    check_runnable(scenario)  # before a calibration or any repetition starts
     cal, cal_path, how = resolve_calibration(calibration, out, progress, scenario)
     if progress:
         print(f"validate: calibration {cal_path} ({how})", file=sys.stderr)

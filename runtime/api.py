@@ -33,6 +33,25 @@ def without_faults(scenario: Scenario) -> Scenario:
     return dataclasses.replace(scenario, faults=dataclasses.replace(scenario.faults, schedule=()))
 
 
+def check_runnable(scenario: Scenario) -> None:
+    """InputError for what the runtime's workers would refuse, before any starts: the dataset's
+    shard size against `data.shards` and `model.context` (each worker would find the same in
+    runtime/data.py, exit, and the run fail as "every worker process exited" after their
+    start-up, exit 1, half a minute later). `keel run`, validate and calibrate call it first."""
+    from keel.errors import InputError
+    from runtime.data import CORPUS_CAP_BYTES, SAMPLES_CONTEXT
+
+    shards, context = scenario.data.shards, scenario.model.context
+    shard_bytes = CORPUS_CAP_BYTES // shards
+    if shard_bytes < 2 * SAMPLES_CONTEXT:
+        raise InputError(f"{scenario.source}: key 'data.shards': expected at most "
+                         f"{CORPUS_CAP_BYTES // (2 * SAMPLES_CONTEXT):,} shards of the runtime's "
+                         f"{CORPUS_CAP_BYTES:,}-byte corpus, got {shards:,}")
+    if (shard_bytes - 1) // context < 1:
+        raise InputError(f"{scenario.source}: key 'model.context': expected a context shorter than a shard "
+                         f"({shard_bytes:,} bytes with data.shards = {shards}), got {context:,}")
+
+
 def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None = None,
                  resume: str | Path | None = None, no_faults: bool = False,
                  allow_config_change: bool = False, progress: bool = True,
@@ -45,6 +64,7 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
     a GPU per worker)."""
     import os
     from keel.durable import check_resume_dir, check_writable_dir
+    check_runnable(scenario)
     if resume is not None:  # bad directories are refused before anything is written, imported or started
         check_resume_dir(resume)
     check_writable_dir(out_dir)

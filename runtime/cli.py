@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     if args.time_scale is not None and not scenario.emulation.enabled:
         raise InputError("--time-scale: only an emulated run has a time scale "
                          "(add --emulate, or set emulation.enabled = true)")
-    check_data_sizes(scenario)
+    from runtime.api import check_runnable
+    check_runnable(scenario)
     steps = args.steps if args.steps is not None else scenario.run.steps
     if steps < 2:  # the summary measures the fault-free step time between two commits
         what = "--steps" if args.steps is not None else f"{scenario.source}: key 'run.steps'"
@@ -70,20 +71,3 @@ def run(args: argparse.Namespace) -> int:
                   f"{'' if emu['faithful'] else ': NOT a faithful emulation'}")
     return 0
 
-
-def check_data_sizes(scenario) -> None:
-    """The dataset's shard size against `data.shards` and `model.context`, before any worker
-    starts: each worker would find the same in runtime/data.py, exit, and the run fail as
-    "every worker process exited" after their start-up (exit 1, half a minute later)."""
-    from keel.errors import InputError
-    from runtime.data import CORPUS_CAP_BYTES, SAMPLES_CONTEXT
-
-    shards, context = scenario.data.shards, scenario.model.context
-    shard_bytes = CORPUS_CAP_BYTES // shards
-    if shard_bytes < 2 * SAMPLES_CONTEXT:
-        raise InputError(f"{scenario.source}: key 'data.shards': expected at most "
-                         f"{CORPUS_CAP_BYTES // (2 * SAMPLES_CONTEXT):,} shards of the runtime's "
-                         f"{CORPUS_CAP_BYTES:,}-byte corpus, got {shards:,}")
-    if (shard_bytes - 1) // context < 1:
-        raise InputError(f"{scenario.source}: key 'model.context': expected a context shorter than a shard "
-                         f"({shard_bytes:,} bytes with data.shards = {shards}), got {context:,}")

@@ -281,3 +281,15 @@ def test_validate_uses_an_existing_calibration_of_the_same_emulated_cluster(tmp_
     assert how == "measured" and (out / "calibration.json").exists()
     with pytest.raises(InputError, match=r"reference.time_scale': measured at 0.5, this scenario has 0.25"):
         resolve_calibration(str(tmp_path / "calibration.json"), out, False, sc)
+
+
+@pytest.mark.parametrize("command", ["validate", "calibrate"])
+def test_validate_and_calibrate_refuse_what_the_runtime_would_before_any_run(command, tmp_path):
+    """runtime.api.check_runnable, the check `keel run` makes, before a calibration or a
+    repetition starts: exit 2 naming the key, and no run directory written."""
+    out = tmp_path / "out"
+    proc = subprocess.run(keel_cmd(command, str(SCENARIOS / "multiregion-12.toml"), "--set", "data.shards=100000",
+                                   "--out", str(out)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "key 'data.shards': expected at most" in proc.stderr
+    assert not (out / "runtime").exists()
