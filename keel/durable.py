@@ -10,11 +10,17 @@ PROBE_BYTES = 64 * 1024
 
 
 def write_synced(path: Path, data: bytes) -> None:
-    """Write `data` to `path` and fsync it before returning."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write `data` to `path` and fsync it before returning. An OSError names `path` (a full
+    disk's ENOSPC from write or fsync carries no file name of its own)."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def fsync_dir(path: Path) -> None:

@@ -48,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
         out = Path("runs") / scenario.run.name / time.strftime("%Y%m%d-%H%M%S")
     summary = run_scenario(scenario, out, steps=args.steps, resume=args.resume, no_faults=args.no_faults,
                            allow_config_change=args.allow_config_change, progress=True)
+    for c in summary.get("checkpoints", []):  # a full disk does not stop the run, but it is said
+        if c.get("error"):
+            print(f"keel: warning: the checkpoint of step {c['step']} was not written ({c['error']}); "
+                  f"resuming would start from an earlier one", file=sys.stderr)
     if args.json:
         print_json(summary)
     else:

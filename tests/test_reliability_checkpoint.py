@@ -724,6 +724,49 @@ def test_a_full_disk_fails_the_write_cleanly_and_keeps_the_newest_checkpoint(tmp
                              f"ENOSPC (sync and async), nothing left behind, step {out['latest_step']} still the newest")
 
 
+def _tmpfs_bytes(path: Path) -> int:
+    """What `path`'s files take on a tmpfs: each rounded up to whole 4 KiB pages."""
+    return sum(-(-f.stat().st_size // 4096) * 4096 + 4096 for f in path.rglob("*") if f.is_file())
+
+
+@needs_mounts
+@pytest.mark.timeout(900)
+def test_a_full_disk_under_a_real_run_loses_nothing_committed(tmp_path, job_reference, record):
+    """`keel run` with its output on a real tmpfs with room for two checkpoints: the later writes
+    fail with ENOSPC, the run goes on and says so, and `--resume` from that directory ends
+    bit-identical to the uninterrupted run."""
+    if not reliability_count(full=1, reduced=0):
+        pytest.skip("a FULL-count trial (make reliability): a real run on a small file system")
+    ref_out, reference = job_reference
+    one_checkpoint = _tmpfs_bytes(step_dirs(ref_out / "checkpoints")[-1])
+    size = _tmpfs_bytes(ref_out) - _tmpfs_bytes(ref_out / "checkpoints") + 5 * one_checkpoint // 2 + 65536
+    d, res = tmp_path / "small", tmp_path / "res"
+    d.mkdir()
+    res.mkdir()
+    run = " ".join(keel_cmd("run", str(SCENARIOS / "local-8.toml"), *JOB))
+    r = _in_mount_ns(f"mount -t tmpfs -o size={size} tmpfs {d}\n"
+                     f"{run} --out {d}/run --json > {res}/summary.json 2> {res}/stderr.txt || echo $? > {res}/rc\n"
+                     f"ls -a {d}/run/checkpoints > {res}/ls.txt\n"
+                     f"{run} --resume {d}/run --out {res}/resumed --json > {res}/resumed.json 2> {res}/resumed.txt\n",
+                     timeout=800)
+    assert r.returncode == 0 and not (res / "rc").exists(), (r.stderr + (res / "stderr.txt").read_text())[-3000:]
+    summary = json.loads((res / "summary.json").read_text())
+    failed = [c for c in summary["checkpoints"] if c.get("error")]
+    written = [c["step"] for c in summary["checkpoints"] if not c.get("error")]
+    assert failed and all("No space left on device" in c["error"] for c in failed), summary["checkpoints"]
+    stderr = (res / "stderr.txt").read_text()
+    assert f"keel: warning: the checkpoint of step {failed[0]['step']} was not written" in stderr, stderr[-2000:]
+    names = (res / "ls.txt").read_text().split()
+    assert sorted(n for n in names if n not in (".", "..")) == [ck.step_dir_name(s) for s in written]  # no leftovers
+    resumed = json.loads((res / "resumed.json").read_text())
+    assert resumed["start_step"] == written[-1]
+    assert resumed["final_weights_sha256"] == reference["final_weights_sha256"]
+    record(trials=1, faults_survived=len(failed))
+    record.note("full disk under keel run", f"tmpfs of {size // 1024} KiB: checkpoints {written} written, "
+                                            f"{[c['step'] for c in failed]} failed with ENOSPC, the run went on and "
+                                            f"warned; --resume from step {written[-1]} bit-identical")
+
+
 def test_enospc_injected_at_the_write_layer(two_checkpoints, tmp_path, monkeypatch, record):
     """The same without a file system to fill: ENOSPC at each file and at the directory fsync."""
     model = build_model(TINY, seed=1)
