@@ -88,6 +88,8 @@ def render(rows: dict[str, dict], *, command: str, wall_s: float, full: bool, rc
     ]
     for name, r in rows.items():
         counts = [str(r[k]) if r["recorded"] else "-" for k in KEYS]
+        if name in failed:  # what a failed test did not get to record is unknown
+            counts[-1] = f"{counts[-1]} (test failed)"
         out.append(f"| `{name}` | {r['cases']} | {' | '.join(counts)} | {_outcome(r)} | {r['duration_s']:.0f} |")
     out.append(f"| **total** | {sum(r['cases'] for r in rows.values())} | "
                + " | ".join(f"**{total[k]}**" for k in KEYS) + f" | {'all passed' if not failed and rc == 0 else 'FAILURES'} | "
