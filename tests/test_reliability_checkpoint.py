@@ -322,12 +322,31 @@ def _keel_run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+class Reference:
+    """The uninterrupted run, started at once and waited for when first needed (it runs while a
+    test kills its first job: the two share the machine, which changes no verdict)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.proc = subprocess.Popen(keel_cmd("run", str(SCENARIOS / "local-8.toml"), *JOB, "--out", str(out), "--json"),
+                                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.summary: dict | None = None
+
+    def get(self) -> tuple[Path, dict]:
+        if self.summary is None:
+            stdout, stderr = self.proc.communicate(timeout=400)
+            assert self.proc.returncode == 0, stderr[-3000:]
+            self.summary = json.loads(stdout)
+        return self.out, self.summary
+
+
 @pytest.fixture(scope="module")
-def job_reference(tmp_path_factory) -> tuple[Path, dict]:
-    out = tmp_path_factory.mktemp("job") / "uninterrupted"
-    r = _keel_run("--out", str(out), "--json")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out, json.loads(r.stdout)
+def job_reference(tmp_path_factory):
+    ref = Reference(tmp_path_factory.mktemp("job") / "uninterrupted")
+    yield ref
+    if ref.proc.poll() is None:
+        ref.proc.kill()
+        ref.proc.communicate()
 
 
 def _kill_job_during_write(out: Path, ckpt_step: int, delay_s: float, timeout: float = 180) -> None:
@@ -364,7 +383,6 @@ def test_sigkill_whole_job_during_a_checkpoint_write_then_resume(tmp_path, job_r
     uninterrupted run. Every other trial (the first among them) also damages that newest
     checkpoint before the resume: the resume then says it refused it and falls back to the one
     before, and still ends bit-identical."""
-    _, reference = job_reference
     rng = random.Random(1313)
     n = reliability_count(full=6, reduced=1)
     mid_write, damaged = 0, []
@@ -383,6 +401,7 @@ def test_sigkill_whole_job_during_a_checkpoint_write_then_resume(tmp_path, job_r
             damaged.append(f"{name} {how}")
         r = _keel_run("--out", str(resumed), "--resume", str(killed), "--json")
         assert r.returncode == 0, r.stderr[-3000:]
+        _, reference = job_reference.get()
         if refused is not None:
             assert f"checkpoint {refused} refused" in r.stderr and name in r.stderr, r.stderr[-2000:]
             assert f"falling back to {expected}" in r.stderr, r.stderr[-2000:]
@@ -737,7 +756,7 @@ def test_a_full_disk_under_a_real_run_loses_nothing_committed(tmp_path, job_refe
     bit-identical to the uninterrupted run."""
     if not reliability_count(full=1, reduced=0):
         pytest.skip("a FULL-count trial (make reliability): a real run on a small file system")
-    ref_out, reference = job_reference
+    ref_out, reference = job_reference.get()
     one_checkpoint = _tmpfs_bytes(step_dirs(ref_out / "checkpoints")[-1])
     size = _tmpfs_bytes(ref_out) - _tmpfs_bytes(ref_out / "checkpoints") + 5 * one_checkpoint // 2 + 65536
     d, res = tmp_path / "small", tmp_path / "res"
