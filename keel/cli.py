@@ -38,26 +38,21 @@ def _version() -> str:
         return "unknown"
 
 
-def _seed(text: str) -> int:
-    """A seed: a non-negative integer (numpy's generators take no other)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
+def _int_from(low: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `low`, called `what` in the error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+    return parse
 
 
-def _count(text: str) -> int:
-    """A count of things (replicas, trials, steps, shards): a positive integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+_seed = _int_from(0, "a non-negative integer")   # numpy's generators take no other seed
+_count = _int_from(1, "a positive integer")      # replicas, trials, steps, shards
 
 
 def _port(text: str) -> int:
