@@ -15,7 +15,10 @@ What every trial must show:
 - 0 restarts, each step committed once, every survivor keeps its process;
 - its episode complete in the log: `fault`, `detect`, recovery (`recover_start` and `reslot`
   for a lost member, `quarantine` for a NaN shard, `reslot` out and back for a parked
-  straggler) and `recover_end`, followed by a committed step;
+  straggler) and `recover_end`, followed by a committed step. A spike that made no straggler
+  (no step it slowed was judged: a new generation's first two steps are not, and a recovery
+  or a NaN redo can take up its 2 s) is sat out: `fault`, then `recover_end` once it is over;
+  such spikes are counted apart (the soak demands that most spikes park their straggler);
 - bit-identity. Kills, region losses and latency spikes leave the losses of every step and
   the final weights equal to the fault-free run's. A NaN shard changes the data by design
   (its samples are replaced from the step it strikes), so a run with data faults is compared
@@ -49,7 +52,10 @@ SPIKE = {"spike_ms": 400.0, "duration_s": 2.0}
 # steps between a fault and the next (kills and spikes may overlap an earlier recovery)
 GAP = {"hardware_fault": (4, 10), "partial_cluster_loss": (4, 10), "network_jitter": (6, 20),
        "data_shard_skew": (2, 6)}
-JITTER_TAIL = 120  # steps after the last spike: it is over and its straggler back before the end
+# steps after the last spike, so it is over and its straggler back before the end: its slow
+# steps alone take over 1 s, and 8 workers on 2 cores step in 25 ms or more (a run that ended
+# with the straggler still parked would leave the spike's episode open: no recover_end)
+JITTER_TAIL = 120
 KILL_TAIL = 12
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(600 if FULL else 240)]
@@ -172,7 +178,7 @@ class Tally:
     survived: dict[str, int]
     restarts: int
     parked: int          # spikes whose straggler was moved out and back
-    mid_write: int = 0   # kills of the checkpoint writer with its write not reported done
+    sat_out: int = 0     # spikes that made no straggler (no step they slowed was judged)
 
 
 def killed_nodes(schedule: list[dict]) -> set[str]:
@@ -212,17 +218,27 @@ def check_run(summary: dict, events: list, schedule: list[dict], steps: int) -> 
     assert [(f["at_step"], f["class"], f["target"]) for f in faults] == \
         [(f["at_step"], f["class"], f["target"]) for f in sorted(schedule, key=lambda f: f["at_step"])], why
     survived: dict[str, int] = {}
-    parked = 0
+    parked = sat_out = 0
     for f in faults:
         fid = f["fault_id"]
         idx = [i for i, e in enumerate(events) if e.detail.get("fault_id") == fid]
         ks = [events[i].kind for i in idx]
         where = f"fault {fid} {f['class']} {f['target']} at {f['at_step']}: {ks}; {why}"
-        assert ks[0] == "fault" and "detect" in ks and ks.count("recover_end") == 1, where
+        assert ks[0] == "fault" and ks.count("recover_end") == 1, where
         end = idx[ks.index("recover_end")]
-        assert ks.index("detect") < ks.index("recover_end"), where
         assert any(e.kind == "step" for e in events[end + 1:]), f"no commit after the recovery: {where}"
         cls = f["class"]
+        if cls == "network_jitter" and "detect" not in ks:
+            # it made no straggler: no step it slowed was judged (a new generation's first
+            # steps are not, and a recovery or a NaN shard's redo can take up a spike), or it
+            # was not slow enough; sat out, its episode over when the spike is (docs/runtime.md)
+            fault = events[idx[0]]
+            assert ks == ["fault", "recover_end"], where
+            assert events[end].t >= fault.t + fault.detail["duration_s"], where
+            sat_out += 1
+            survived[cls] = survived.get(cls, 0) + 1
+            continue
+        assert "detect" in ks and ks.index("detect") < ks.index("recover_end"), where
         if cls in ("hardware_fault", "partial_cluster_loss"):
             assert f["action"] == ("replicate_resume" if cls == "hardware_fault" else "shard_reweight_failover")
             lost = {e.detail["node"] for e in events if e.kind == "detect" and e.detail.get("fault_id") == fid}
@@ -250,7 +266,7 @@ def check_run(summary: dict, events: list, schedule: list[dict], steps: int) -> 
         survived[cls] = survived.get(cls, 0) + 1
     if data_faults(schedule):
         assert summary["quarantine"] == sorted(int(f["target"].split("/")[1]) for f in data_faults(schedule))
-    return Tally(survived, summary["restarts"], parked)
+    return Tally(survived, summary["restarts"], parked, sat_out)
 
 
 def same_trajectory(summary: dict, reference: dict, what: str) -> None:
@@ -269,10 +285,11 @@ def note_run(record, case: str, tally: Tally, wall_s: float, **extra: Any) -> No
     n = sum(tally.survived.values())
     record(trials=n, faults_survived=n)
     facts = [", ".join(f"{SHORT[c]} {k}" for c, k in sorted(tally.survived.items())),
-             f"{tally.parked} parked and back", *(f"{k} {v}" for k, v in extra.items()), f"{wall_s:.0f} s"]
+             f"{tally.parked} spikes parked and back, {tally.sat_out} sat out",
+             *(f"{k} {v}" for k, v in extra.items()), f"{wall_s:.0f} s"]
     record.note(case, "; ".join(facts))
     print(json.dumps({"case": case, "full": FULL, "trials": tally.survived, "restarts": tally.restarts,
-                      "parked_and_back": tally.parked, "wall_s": round(wall_s, 1), **extra}))
+                      "parked_and_back": tally.parked, "sat_out": tally.sat_out, "wall_s": round(wall_s, 1), **extra}))
 
 
 # ----------------------------------------------------------------------------- the trials
@@ -460,7 +477,6 @@ def test_double_faults_kills(tmp_path, fault_free, fault_free_dir, seed, record)
     for step in set(mine) & set(theirs):
         assert mine[step] == theirs[step], f"checkpoint of step {step} differs from the fault-free run's"
     assert summary["slot_map"] == {"d/0": list(range(SLOTS))}  # one survivor holds every slot
-    tally.mid_write = mid_write
     note_run(record, f"seed {3000 + seed}", tally, time.monotonic() - t0, double_faults=3,
              checkpoints=mode, writer_killed_mid_write=mid_write)
 

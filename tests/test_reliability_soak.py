@@ -173,6 +173,7 @@ def test_soak(soak, record):
         "hardware_fault", "partial_cluster_loss", "network_jitter", "data_shard_skew"}
     tally: Tally = check_run(summary, events, schedule, steps)
     assert sum(tally.survived.values()) == FAULTS
+    assert tally.parked >= SPIKES // 2, f"only {tally.parked} of {SPIKES} spikes parked their straggler"
     assert events[-1].kind == "run_end" and events[-1].detail["final_weights_sha256"]
     same_trajectory(summary, soak["only_data"], "the run of only its data faults")
     assert len(soak["memory"]) == 4  # a/1, b/1, c/1, c/0 lived through it all
