@@ -16,9 +16,18 @@ measured in every repetition. Per tool: fault-free step time / DDP's (the median
 between consecutive commits, past the first two), downtime (the fault to the first step
 committed after it, from each tool's own commit times), steps committed again, processes
 restarted, and whether the final weights (bitwise) and the data every step trained on equal
-that tool's own fault-free run. Every configuration runs `--repeats` times, interleaved.
+that tool's own fault-free run. Every configuration runs `--repeats` times, interleaved; a run
+that fails or hangs (120 s) is recorded under "failures" and retried once.
 
     .venv/bin/python bench/peers.py [--repeats 3] [--tools torchrun,torchft,keel_absorb,keel_restart] [--json]
+
+`--json` prints one object: {"tools": {NAME: {"downtime_s", "downtime_s_range", "step_ratio_to_ddp",
+"steps_recomputed", "processes_restarted", "weights_equal_fault_free", "data_equal_fault_free",
+...}}, "machine", "date", "skipped", "failures", ...}.
+
+torchft's settings: a Lighthouse with min_replicas 3 and its default 5 s heartbeat timeout, the
+Manager and ProcessGroupGloo with a 5 s timeout (`--torchft-timeout`; the Manager's default is
+60 s), min_replica_size 3, the data of a step keyed by the manager's step (the best a user can do).
 
 Workarounds the harness applies to peers (printed with the results):
 - torchrun: the workers build the default group on the agent's store under a prefix per
@@ -39,6 +48,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -64,7 +74,7 @@ WORKAROUNDS = {
                "survivor); the 4 replicas wait for each other before their first step (a file each), so the "
                "first quorum holds all four",
 }
-RUN_TIMEOUT_S = 240
+RUN_TIMEOUT_S = 120  # a run takes 10-40 s here; one that hangs is recorded, retried once
 
 
 @dataclasses.dataclass
@@ -95,6 +105,8 @@ class Run:
     pids: dict[int, list[int]]
     sha: str
     wall_s: float
+    kill_step: int | None = None  # steps committed when the fault struck
+    restart_t: float | None = None  # the first relaunched process's start (peers)
 
     def committed_at(self) -> dict[int, float]:
         """Step -> the time it was first committed by all its participants (the last of them)."""
@@ -120,10 +132,12 @@ class Run:
         return {s: tuple(sorted(v.items())) for s, v in last.items()}
 
     def fault_figures(self) -> dict:
-        assert self.kill_t is not None, "a run without a fault"
-        after = sorted((t, step) for t, step, _, _, part in self.commits if part and t > self.kill_t)
-        before = [step for t, step, _, _, part in self.commits if part and t <= self.kill_t]
-        last_before = max(before, default=0)
+        assert self.kill_t is not None and self.kill_step is not None, "a run without a fault"
+        last_before = self.kill_step
+        # a commit after the kill: a step beyond the one reached, or one recomputed by a relaunched
+        # process (a survivor's log line for the step reached can land just after the kill)
+        after = sorted((t, step) for t, step, _, _, part in self.commits if part and t > self.kill_t and (
+            step > last_before or (self.restart_t is not None and t > self.restart_t)))
         downtime = after[0][0] - self.kill_t if after else float("nan")
         recomputed = len({step for _, step in after if step <= last_before})
         back = next((t for t, step in after if step > last_before), float("nan")) - self.kill_t
@@ -132,7 +146,7 @@ class Run:
 
 
 def read_peer_logs(out: Path, wall_s: float) -> Run:
-    commits, pids, kill_t, shas = [], {}, None, {}
+    commits, pids, kill_t, kill_step, restart_t, shas = [], {}, None, None, None, {}
     for path in sorted(out.glob("log-*.jsonl")):
         slot = int(path.stem.split("-")[1])
         for line in path.read_text().splitlines():
@@ -141,15 +155,17 @@ def read_peer_logs(out: Path, wall_s: float) -> Run:
             r = json.loads(line)
             if r["kind"] == "start":
                 pids.setdefault(slot, []).append(r["pid"])
+                if r["attempt"] > 0:
+                    restart_t = min(restart_t or r["t"], r["t"])
             elif r["kind"] == "commit":
                 commits.append((r["t"], r["step"], slot, tuple(r["samples"]), bool(r["part"])))
             elif r["kind"] == "kill":
-                kill_t = r["t"]
+                kill_t, kill_step = r["t"], r["step"]
             elif r["kind"] == "end":
                 shas[slot] = r["sha"]
     if len(set(shas.values())) != 1 or 0 not in shas:
         raise RuntimeError(f"{out}: the workers ended with different weights, or worker 0 did not end: {shas}")
-    return Run(commits, kill_t, pids, shas[min(shas)], wall_s)
+    return Run(commits, kill_t, pids, shas[min(shas)], wall_s, kill_step, restart_t)
 
 
 # ----------------------------------------------------------------------------- launching peers
@@ -202,7 +218,8 @@ def run_torchrun(cfg: Config, out: Path, *, fault: bool, checkpoints: bool = Tru
     if weights_only:
         extra += ["--resume-weights-only"]
     t0 = time.monotonic()
-    wait_all([spawn(torchrun_cmd(cfg.workers, extra), out / "torchrun.log")], f"torchrun ({out})")
+    wait_all([spawn(torchrun_cmd(cfg.workers, extra), out / "torchrun.log")], f"torchrun ({out})",
+             done=lambda: all_ended(out, cfg.workers))
     return read_peer_logs(out, time.monotonic() - t0)
 
 
@@ -225,6 +242,13 @@ def run_torchft(cfg: Config, out: Path, *, fault: bool) -> Run:
         return read_peer_logs(out, time.monotonic() - t0)
     finally:
         lighthouse.shutdown()
+
+
+def all_ended(out: Path, workers: int) -> bool:
+    """Every worker has written its final weights: the run has all it needs. (Twice in about 50
+    runs the torchrun agent did not exit after its relaunched workers had all ended.)"""
+    logs = [out / f"log-{r}.jsonl" for r in range(workers)]
+    return all(p.exists() and '"kind": "end"' in p.read_text() for p in logs)
 
 
 def torchft_done(out: Path, cfg: Config, fault: bool) -> bool:
@@ -251,17 +275,19 @@ def run_keel(cfg: Config, out: Path, *, policy: str, fault: bool) -> Run:
     loader = Loader(ensure_dataset(shards=sc.data.shards), sc.run.seed, sc.model.context, sc.workload.micro_batch)
     quarantine = frozenset(summary.get("quarantine") or ())
     slots = set(range(sc.slot_count))  # the first generation holds every slot
-    commits, kill_t = [], None
+    commits, kill_t, kill_step = [], None, None
     for e in events:
-        if e.kind == "fault":
-            kill_t = e.t
+        if e.kind == "fault":  # the coordinator's SIGKILL, once `kill_step` steps are committed
+            kill_t, kill_step = e.t, e.step
         elif e.kind == "reslot" and "slot_map" in e.detail:
             slots = {s for held in e.detail["slot_map"].values() for s in held}
         elif e.kind == "step":  # one record per slot the committed step reduced
             for s in sorted(slots):
                 commits.append((e.t, e.step, s, tuple(loader.sample_indices(e.step - 1, s, quarantine)), True))
     pids = {i: list(p) for i, p in enumerate(summary["pids"].values())}
-    return Run(commits, kill_t, pids, summary["final_weights_sha256"], summary["wall_s"])
+    # the coordinator commits a step once every member reported it: every step event after the
+    # fault is one committed after it (restart_t = kill_t)
+    return Run(commits, kill_t, pids, summary["final_weights_sha256"], summary["wall_s"], kill_step, kill_t)
 
 
 # ----------------------------------------------------------------------------- the comparison
@@ -293,6 +319,19 @@ def faulted(tool: str, cfg: Config, out: Path) -> Run:
     return run_keel(cfg, out, policy="absorb" if tool == "keel_absorb" else "checkpoint_restart", fault=True)
 
 
+def attempt(run, where: Path, failures: list[dict]):
+    """`run(directory)`, once more (in a fresh directory) if it fails; each failure is recorded
+    (and reported: a peer that hangs after a restart is a result too). None if both fail."""
+    for k in range(2):
+        d = where if k == 0 else where.with_name(where.name + "-retry")
+        try:
+            return run(d)
+        except Exception as e:  # a hang, a launcher's failure, keel's RunFailed: recorded
+            failures.append({"run": where.name, "try": k + 1, "error": str(e)[:300]})
+            print(f"peers.py: {where.name}: {e}", file=sys.stderr)
+    return None
+
+
 def median_range(xs: list[float]) -> tuple[float, list[float]]:
     return statistics.median(xs), [min(xs), max(xs)]
 
@@ -307,28 +346,38 @@ def compare(tools: list[str], cfg: Config, repeats: int, work: Path, progress: b
     rows: dict[str, list[dict]] = {t: [] for t in tools}
     ddp_s: list[float] = []
     ff_shas: dict[str, set[str]] = {name: set() for name in ff_names}
+    failures: list[dict] = []
     total = repeats * (int(ddp) + len(ff_names) + len(tools))
     with progress_bar(total=total, desc="peers", unit="run", enabled=progress, every_s=15.0) as bar:
         for rep in range(repeats):
             if ddp:
-                ddp_s.append(run_torchrun(cfg, work / f"r{rep}-ddp", fault=False, checkpoints=False).step_time_s())
+                ddp_run = attempt(lambda d: run_torchrun(cfg, d, fault=False, checkpoints=False), work / f"r{rep}-ddp", failures)
+                if ddp_run is not None:
+                    ddp_s.append(ddp_run.step_time_s())
                 bar.update()
             ff: dict[str, Run] = {}
             for name in ff_names:
-                ff[name] = fault_free(next(t for t in tools if ff_key[t] == name), cfg, work / f"r{rep}-{name}-ff")
-                ff_shas[name].add(ff[name].sha)
+                tool = next(t for t in tools if ff_key[t] == name)
+                run = attempt(lambda d: fault_free(tool, cfg, d), work / f"r{rep}-{name}-ff", failures)
+                if run is not None:
+                    ff[name] = run
+                    ff_shas[name].add(run.sha)
                 bar.update()
             for tool in tools:
-                run = faulted(tool, cfg, work / f"r{rep}-{tool}-fault")
+                run = attempt(lambda d: faulted(tool, cfg, d), work / f"r{rep}-{tool}-fault", failures)
+                bar.update()
+                if run is None or ff_key[tool] not in ff or (ddp and not ddp_s):
+                    continue
                 base = ff[ff_key[tool]]
                 rows[tool].append({**run.fault_figures(), "step_s": base.step_time_s(),
                                    "step_ratio_to_ddp": base.step_time_s() / ddp_s[-1] if ddp else None,
                                    "weights_equal_fault_free": run.sha == base.sha,
                                    "data_equal_fault_free": run.data() == base.data()})
-                bar.update()
                 bar.set_postfix(**{tool: f"{rows[tool][-1]['downtime_s']:.2f} s"})
     out = {}
     for tool, rs in rows.items():
+        if not rs:
+            continue
         down, down_range = median_range([r["downtime_s"] for r in rs])
         ratio, ratio_range = median_range([r["step_ratio_to_ddp"] for r in rs]) if ddp else (None, None)
         back, back_range = median_range([r["back_to_pace_s"] for r in rs])
@@ -347,7 +396,7 @@ def compare(tools: list[str], cfg: Config, repeats: int, work: Path, progress: b
         }
         if tool in WORKAROUNDS:
             out[tool]["workaround"] = WORKAROUNDS[tool]
-    return {"tools": out, "ddp_step_ms": 1000 * statistics.median(ddp_s) if ddp else None,
+    return {"tools": out, "failures": failures, "ddp_step_ms": 1000 * statistics.median(ddp_s) if ddp else None,
             "ddp_step_ms_range": [1000 * min(ddp_s), 1000 * max(ddp_s)] if ddp else None}
 
 
@@ -381,6 +430,8 @@ def print_table(result: dict, cfg: Config, repeats: int) -> None:
           "tool's own fault-free run; back to step: the fault to the first commit beyond the last step committed before it")
     for tool, why in result["skipped"].items():
         print(f"skipped {tool}: {why}")
+    for f in result["failures"]:
+        print(f"failed run (retried once): {f['run']}, try {f['try']}: {f['error']}")
     for tool, r in result["tools"].items():
         if "workaround" in r:
             print(f"workaround applied to {tool}: {r['workaround']}")
@@ -416,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     mach = machine()
     with tempfile.TemporaryDirectory(prefix="keel-peers-") as tmp:
         work = Path(args.work) if args.work else Path(tmp)
+        if args.work and work.exists():
+            shutil.rmtree(work)
         result = compare(tools, cfg, args.repeats, work, ddp=not args.no_ddp)
     result = {**result, "machine": mach, "date": started.strftime("%Y-%m-%d %H:%M UTC"), "skipped": skipped,
               "command": "bench/peers.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -120,7 +120,7 @@ def run_ddp(args) -> None:
                 os.fsync(f.fileno())
             os.replace(tmp, ckpt)
     log.write(kind="end", t=time.time(), sha=weights_sha256(model), step=sc.run.steps)
-    dist.destroy_process_group()
+    # no destroy_process_group: main() leaves with os._exit (nothing is in flight after the last step)
 
 
 # ----------------------------------------------------------------------------- torchft
