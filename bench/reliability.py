@@ -51,10 +51,10 @@ def collect(lines: list[dict]) -> dict[str, dict]:
             for k in KEYS:
                 row[k] += int(line.get(k, 0))
             row["notes"].update(line.get("notes") or {})
-        elif line.get("kind") == "outcome":
-            row["outcomes"][line["outcome"]] += 1
+        elif line.get("kind") == "outcome":  # one line per phase (setup, call, teardown) of each case
             row["duration_s"] += float(line.get("duration_s", 0.0))
             if line.get("when") == "call" or line["outcome"] != "passed":
+                row["outcomes"][line["outcome"]] += 1
                 row["cases"] += 1
     return dict(sorted(rows.items()))
 
@@ -69,7 +69,7 @@ def _outcome(row: dict) -> str:
 
 def render(rows: dict[str, dict], *, command: str, wall_s: float, full: bool, rc: int, when: str) -> str:
     total = {k: sum(r[k] for r in rows.values()) for k in KEYS}
-    failed = [name for name, r in rows.items() if any(k != "passed" and k != "skipped" for k in r["outcomes"])]
+    failed = [name for name, r in rows.items() if any(k not in ("passed", "skipped", "xfailed") for k in r["outcomes"])]
     out = [
         "# Reliability (issue 13)",
         "",
