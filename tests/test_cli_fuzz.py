@@ -26,17 +26,20 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import SCENARIOS, keel_cmd
+from conftest import RELIABILITY_FULL, SCENARIOS, keel_cmd, reliability_count
 from keel import scenario as S
 from keel.cli import main
 
 LOCAL = SCENARIOS / "local-8.toml"
 BASE = tomllib.loads(LOCAL.read_text())
 COMMANDS = ("simulate", "run", "plan", "validate")
-FUZZ = settings(derandomize=True, deadline=None, database=None, max_examples=150,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SCALE = reliability_count(full=4, reduced=1)  # make reliability tries four times as many inputs
+# `record` is made once per test, not per example: it sums over the examples, as meant
+FUZZ = settings(derandomize=True, deadline=None, database=None, max_examples=150 * SCALE,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.function_scoped_fixture])
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(1200 if RELIABILITY_FULL else 300), pytest.mark.reliability]
 
 
 class Launched(Exception):
@@ -265,12 +268,14 @@ FLAGS = {"simulate": ["--replicas", "--seed"], "run": ["--steps", "--time-scale"
 @example(doc={**BASE, "regions": [{**BASE["regions"][0], "nodes": 10 ** 11}]})
 @example(doc={**BASE, "data": {"shards": 10 ** 12}})
 @example(doc={**BASE, "run": {"x\ny": 1}})
-def test_a_scenario_loads_or_is_refused_in_one_line(doc):
+def test_a_scenario_loads_or_is_refused_in_one_line(doc, record):
     """The loader's verdict on any document: a Scenario that reads back from its own TOML,
     or a ScenarioError of one line naming the file; nothing else."""
+    record(trials=1)
     try:
         sc = S.loads(toml_document(doc), "fuzz.toml")
     except S.ScenarioError as e:
+        record(bad_inputs=1)
         message = str(e)
         assert message.startswith("fuzz.toml: ") and "\n" not in message and message.isprintable(), message
         return
@@ -279,19 +284,21 @@ def test_a_scenario_loads_or_is_refused_in_one_line(doc):
 
 @FUZZ
 @given(text=broken_toml())
-def test_a_broken_file_is_refused_in_one_line(text, workdir):
+def test_a_broken_file_is_refused_in_one_line(text, workdir, record):
     path = workdir / "broken.toml"
     path.write_text(text, encoding="utf-8", errors="surrogateescape")
     for command in COMMANDS:
-        assert_refused_or_launched([command, str(path)])
+        code, _ = assert_refused_or_launched([command, str(path)])
+        record(trials=1, bad_inputs=code == 2)
 
 
 @FUZZ
 @given(doc=mutated_scenarios(), command=st.sampled_from(COMMANDS))
-def test_every_command_refuses_a_bad_scenario_before_any_work(doc, command, workdir):
+def test_every_command_refuses_a_bad_scenario_before_any_work(doc, command, workdir, record):
     path = workdir / "mutated.toml"
     path.write_text(toml_document(doc))
     code, _ = assert_refused_or_launched([command, str(path)])
+    record(trials=1, bad_inputs=code == 2)
     try:
         S.load(path)
         valid = True
@@ -301,7 +308,7 @@ def test_every_command_refuses_a_bad_scenario_before_any_work(doc, command, work
         assert code == 2  # no command starts on a scenario the loader refuses
 
 
-@settings(FUZZ, max_examples=250)
+@settings(FUZZ, max_examples=250 * SCALE)
 @given(sets=overrides, command=st.sampled_from(COMMANDS),
        flags=st.lists(st.tuples(st.sampled_from(["simulate", "run", "plan", "validate"]), flag_values), max_size=2))
 @example(sets=["regions.².nodes=3"], command="simulate", flags=[])
@@ -311,14 +318,15 @@ def test_every_command_refuses_a_bad_scenario_before_any_work(doc, command, work
 @example(sets=["faults.hardware_fault.repair_hours=1e-9"], command="simulate", flags=[])
 @example(sets=["faults.hardware_fault.mtbf_node_hours=1e-9"], command="simulate", flags=[])
 @example(sets=["faults.network_jitter.per_day=1e12"], command="plan", flags=[])
-def test_set_values_and_flags_are_refused_in_one_line(sets, command, flags):
+def test_set_values_and_flags_are_refused_in_one_line(sets, command, flags, record):
     argv = [command, str(LOCAL)]
     for text in sets:
         argv += ["--set", text]
     for owner, value in flags:
         if FLAGS[command] and owner == command:
             argv += [FLAGS[command][len(value) % len(FLAGS[command])], value]
-    assert_refused_or_launched(argv)
+    code, _ = assert_refused_or_launched(argv)
+    record(trials=1, bad_inputs=code == 2)
 
 
 @pytest.mark.parametrize("argv, message", [

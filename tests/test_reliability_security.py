@@ -19,7 +19,7 @@ import pytest
 from runtime.protocol import (MAX_LINE, Channel, ProtocolError, authentic, check_worker_message, hello_mac)
 from runtime_helpers import run, scenario
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.reliability]
 
 
 def _connect(port: int) -> tuple[socket.socket, dict]:
@@ -72,7 +72,7 @@ def _attacks(port: int, node: str) -> list[tuple[str, str]]:
     return out
 
 
-def test_strangers_cannot_join_or_disturb_a_run(tmp_path, monkeypatch):
+def test_strangers_cannot_join_or_disturb_a_run(tmp_path, monkeypatch, record):
     from runtime.api import run_scenario
     import runtime.coordinator.core as core
     import runtime.coordinator.admission as admission
@@ -125,6 +125,7 @@ def test_strangers_cannot_join_or_disturb_a_run(tmp_path, monkeypatch):
     for f in out.rglob("*"):
         if f.is_file():
             assert secret not in f.read_bytes(), f"the job's secret is written in {f}"
+    record(trials=1, bad_inputs=len(answers) + 1)  # + the silent connection
 
 
 def _listening(pids: set[int]) -> list[tuple[str, int]]:
@@ -157,7 +158,7 @@ def _address(hexaddr: str, width: int) -> str:
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
-def test_a_running_job_listens_on_loopback_only(tmp_path):
+def test_a_running_job_listens_on_loopback_only(tmp_path, record):
     """The coordinator, its rendezvous store and every worker's gloo listener."""
     from runtime.api import run_scenario
     import runtime.coordinator.core as core
@@ -177,6 +178,8 @@ def test_a_running_job_listens_on_loopback_only(tmp_path):
     assert seen, "no listening socket found"
     exposed = [(a, p) for a, p in seen if a not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
     assert not exposed, f"listening beyond loopback: {exposed}"
+    record(trials=1)
+    record.note("listening sockets", len(seen))
 
 
 def test_listening_beyond_loopback_warns_and_names_what_is_exposed(tmp_path, capsys):
@@ -201,7 +204,7 @@ def test_a_coordinator_without_its_workers_needs_a_secret(tmp_path, monkeypatch)
     assert not (tmp_path / "run").exists()
 
 
-def test_protocol_rejects_what_it_does_not_declare():
+def test_protocol_rejects_what_it_does_not_declare(record):
     assert authentic("s", "n", hello_mac("s", "n"))
     assert not authentic("s", "n", hello_mac("t", "n"))
     assert not authentic("s", "n", None) and not authentic("s", "n", 42)
@@ -217,6 +220,7 @@ def test_protocol_rejects_what_it_does_not_declare():
     for msg in bad:
         with pytest.raises(ProtocolError):
             check_worker_message(msg)
+    record(trials=1, bad_inputs=len(bad) + 3 + 1)  # the messages, three false macs, an overlong line
     server = socket.create_server(("127.0.0.1", 0))
     b = socket.create_connection(server.getsockname())
     a, _ = server.accept()
