@@ -501,7 +501,10 @@ def timeline(events: Sequence[Event], summary: dict[str, Any] | None = None,
     `region/i`, a region, a shard). Episode bounds come from `keel.metrics`.
 
     `offset` (seconds) is subtracted from every time: the runtime's launch, which the twin
-    does not model, so both start training at 0; the launch then shows as negative time."""
+    does not model, so both start training at 0; the launch then shows as negative time.
+
+    Long on purpose: one pass over the log lays out every lane together (split, it would walk
+    the log once per lane)."""
     bars: list[dict[str, Any]] = []
     marks: list[dict[str, Any]] = []
     if not events:

@@ -139,7 +139,8 @@ def _read_file(path: Path, limit: int) -> bytes:
 
 def _read(path: Path) -> tuple[dict[str, Any] | None, dict[str, bytes], list[str]]:
     """(manifest, bytes of each verified file, problems). Opens nothing but the manifest and
-    the format's files inside `path`."""
+    the format's files inside `path`. Long on purpose: the format's checks one after another,
+    written independently of the writer's reader (it is the reference)."""
     if not path.is_dir():
         return None, {}, [f"{path}: not a checkpoint directory"]
     mpath = path / MANIFEST

@@ -482,6 +482,9 @@ def apply_override(raw: dict, key: str, value: Any, source: str = "<scenario>") 
 # ----------------------------------------------------------------------------- checks
 
 def _check(s: Scenario) -> None:
+    """Every rule a scenario must meet, each failing with one line naming the key. Long on
+    purpose: a flat list of checks in the schema's order, each a few lines, that reads like
+    the schema it enforces; splitting it would scatter the rules without sharing any."""
     src = s.source
 
     def fail(key: str, message: str) -> typing.NoReturn:

@@ -156,13 +156,15 @@ def test_commit_sha_is_recorded_and_a_different_one_is_a_warning(trained, tmp_pa
     path = save(tmp_path, 1, model, opt)
     sha = json.loads((path / "context.json").read_text())["commit_sha"]
     assert sha == "unknown" or (len(sha) == 40 and int(sha, 16) >= 0)
-    monkeypatch.setattr(ck, "current_commit_sha", lambda: "0" * 40)
+    import runtime.checkpoint_read as reader
+    monkeypatch.setattr(reader, "current_commit_sha", lambda: "0" * 40)
     loaded = load_checkpoint(path, config_hash=CONFIG_HASH)
     assert any("commit" in w for w in loaded.warnings)
 
 
 def test_commit_sha_outside_a_git_checkout_is_unknown(tmp_path, monkeypatch):
-    monkeypatch.setattr(ck, "REPO_ROOT", tmp_path)
+    import runtime.checkpoint_format as fmt
+    monkeypatch.setattr(fmt, "REPO_ROOT", tmp_path)
     ck.current_commit_sha.cache_clear()
     try:
         assert ck.current_commit_sha() == "unknown"
