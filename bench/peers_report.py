@@ -160,7 +160,7 @@ def write_report(res: dict) -> None:
     for t, why in peers["skipped"].items():
         w(f"\n**Skipped {t}**: {why}")
     if peers.get("failures"):
-        w(f"\n**Runs that failed** (each retried once in a fresh directory; the logs stay under runs/bench/peers/):")
+        w("\n**Runs that failed** (each retried once in a fresh directory; the logs stay under runs/bench/peers/):")
         for f in peers["failures"]:
             w(f"- {f['run']} (try {f['try']}): {f['error']}")
     w("\n![downtime per tool](figures/bench-downtime.svg)\n")

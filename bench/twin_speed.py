@@ -10,6 +10,7 @@ in < 10 s. Cost should grow with the events (faults, checkpoints, re-slots), not
 from __future__ import annotations
 
 import argparse
+import keel.scenario
 import json
 import math
 import sys
@@ -29,7 +30,7 @@ CASES = [(46, 30, 1.0), (512, 30, None), (2048, 30, None), (16384, 30, None), (2
 DAY = 86400.0
 
 
-def scaled(nodes: int, days: float) -> "Scenario":  # noqa: F821
+def scaled(nodes: int, days: float) -> "keel.scenario.Scenario":
     """The 46-node scenario with `nodes` nodes in the same regional proportions, one slot per
     training node, 4% hot spares, and as many steps as `days` of fault-free training."""
     raw = load(BASE).to_dict()
