@@ -182,7 +182,7 @@ def torchrun_cmd(nproc: int, extra: list[str]) -> list[str]:
 
 
 def wait_all(procs: list[subprocess.Popen], what: str, timeout: float = RUN_TIMEOUT_S,
-             done=lambda: False) -> None:
+             done=lambda: False, out: Path | None = None) -> None:
     """Wait for every launcher to exit 0, or until `done()` says the run has all it needs
     (the launchers left are then killed)."""
     deadline = time.monotonic() + timeout
@@ -201,6 +201,20 @@ def wait_all(procs: list[subprocess.Popen], what: str, timeout: float = RUN_TIME
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        if out is not None:
+            reap(out)
+
+
+def reap(out: Path) -> None:
+    """SIGKILL every process still running with `out` on its command line: a launcher's workers
+    can outlive it (torchrun's agent exited and left two workers running for an hour, 4 Dec)."""
+    mark = str(out).encode()
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit() and int(d) != os.getpid()):
+        try:
+            if mark in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
 
 
 def spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
@@ -218,7 +232,7 @@ def run_torchrun(cfg: Config, out: Path, *, fault: bool, checkpoints: bool = Tru
     if weights_only:
         extra += ["--resume-weights-only"]
     t0 = time.monotonic()
-    wait_all([spawn(torchrun_cmd(cfg.workers, extra), out / "torchrun.log")], f"torchrun ({out})",
+    wait_all([spawn(torchrun_cmd(cfg.workers, extra), out / "torchrun.log")], f"torchrun ({out})", out=out,
              done=lambda: all_ended(out, cfg.workers))
     return read_peer_logs(out, time.monotonic() - t0)
 
@@ -238,7 +252,7 @@ def run_torchft(cfg: Config, out: Path, *, fault: bool) -> Run:
             if fault:
                 extra += ["--kill-at", str(cfg.kill_at)]
             procs.append(spawn(torchrun_cmd(1, extra), out / f"replica-{r}.log", env))
-        wait_all(procs, f"torchft ({out})", done=lambda: torchft_done(out, cfg, fault))
+        wait_all(procs, f"torchft ({out})", done=lambda: torchft_done(out, cfg, fault), out=out)
         return read_peer_logs(out, time.monotonic() - t0)
     finally:
         lighthouse.shutdown()

@@ -10,17 +10,15 @@ is refused; `keel ckpt inspect PATH [--json]` shows the seven fields and their s
 from __future__ import annotations
 
 import argparse
-import errno
 import hashlib
 import json
 import math
-import os
 import re
-import stat
 import sys
 from pathlib import Path
 from typing import Any
 
+from keel.durable import read_regular
 from keel.errors import InputError
 from keel.rundir import print_json
 
@@ -107,36 +105,6 @@ def safetensors_header(data: bytes) -> tuple[dict[str, dict[str, Any]], dict[str
 
 # ----------------------------------------------------------------------------- verify
 
-def _read_file(path: Path, limit: int) -> bytes:
-    """The bytes of `path` if it is a regular file of at most `limit` bytes; OSError otherwise
-    (strerror says why). A symbolic link is not followed (it could lead out of the checkpoint),
-    a FIFO or device is not read (it could block or never end)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise OSError(e.errno, "a symbolic link; the format's files are regular files") from None
-        raise
-    except ValueError:  # a NUL in the name
-        raise OSError(errno.EINVAL, "not a file name") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        if st.st_size > limit:
-            raise OSError(errno.EFBIG, f"{st.st_size} bytes, more than the {limit} expected (altered or appended to)")
-        chunks, left = [], st.st_size + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
 def _read(path: Path) -> tuple[dict[str, Any] | None, dict[str, bytes], list[str]]:
     """(manifest, bytes of each verified file, problems). Opens nothing but the manifest and
     the format's files inside `path`. Long on purpose: the format's checks one after another,
@@ -145,7 +113,7 @@ def _read(path: Path) -> tuple[dict[str, Any] | None, dict[str, bytes], list[str
         return None, {}, [f"{path}: not a checkpoint directory"]
     mpath = path / MANIFEST
     try:
-        manifest = _json(_read_file(mpath, MAX_MANIFEST))
+        manifest = _json(read_regular(mpath, MAX_MANIFEST))
     except FileNotFoundError:
         return None, {}, [f"{mpath}: missing; the checkpoint is incomplete (a save that never committed)"]
     except OSError as e:
@@ -194,7 +162,7 @@ def _read(path: Path) -> tuple[dict[str, Any] | None, dict[str, bytes], list[str
             continue
         fpath = path / name
         try:
-            data = _read_file(fpath, entry["bytes"])
+            data = read_regular(fpath, entry["bytes"])
         except FileNotFoundError:
             problems.append(f"{fpath}: missing")
             continue

@@ -1,7 +1,10 @@
-"""Writing files so that they survive a crash: data fsynced, directory entries fsynced."""
+"""Writing files so that they survive a crash: data fsynced, directory entries fsynced; and
+reading a file that may be hostile without following it anywhere (`read_regular`)."""
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
 from keel.errors import InputError
@@ -28,6 +31,38 @@ def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of `path` if it is a regular file of at most `limit` bytes; OSError otherwise
+    (FileNotFoundError if missing; ELOOP, EINVAL, EFBIG with a strerror that says why). A
+    symbolic link is not followed (it could lead out of a checkpoint), a FIFO or device is not
+    read (it could block or never end), and no more than `limit` + 1 bytes are read (one more:
+    a file that grew is noticed). Both checkpoint readers use it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(e.errno, "a symbolic link; the format's files are regular files") from None
+        raise
+    except ValueError:  # a NUL in the name
+        raise OSError(errno.EINVAL, "not a file name") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"{st.st_size} bytes, more than the {limit} expected (altered or appended to)")
+        chunks, left = [], st.st_size + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
     finally:
         os.close(fd)
 

@@ -33,13 +33,21 @@ def without_faults(scenario: Scenario) -> Scenario:
     return dataclasses.replace(scenario, faults=dataclasses.replace(scenario.faults, schedule=()))
 
 
-def check_runnable(scenario: Scenario) -> None:
-    """InputError for what the runtime's workers would refuse, before any starts: the dataset's
-    shard size against `data.shards` and `model.context` (each worker would find the same in
-    runtime/data.py, exit, and the run fail as "every worker process exited" after their
-    start-up, exit 1, half a minute later). `keel run`, validate and calibrate call it first."""
+def check_runnable(scenario: Scenario, steps: int | None = None) -> None:
+    """InputError for what the runtime would refuse, before any worker starts: fewer than 2
+    steps (`steps`, the --steps override, or run.steps: the summary measures the step time
+    between commits), and the dataset's shard size against `data.shards` and `model.context`
+    (each worker would find the same in runtime/data.py, exit, and the run fail as "every
+    worker process exited" after their start-up, exit 1, half a minute later). `keel run`,
+    validate, calibrate and run_scenario call it first."""
     from keel.errors import InputError
     from runtime.data import CORPUS_CAP_BYTES, SAMPLES_CONTEXT
+
+    n = steps if steps is not None else scenario.run.steps
+    if n < 2:
+        what = "--steps" if steps is not None else f"{scenario.source}: key 'run.steps'"
+        raise InputError(f"{what}: expected at least 2 steps for a run (its step time is measured "
+                         f"between commits), got {n}")
 
     shards, context = scenario.data.shards, scenario.model.context
     shard_bytes = CORPUS_CAP_BYTES // shards
@@ -64,7 +72,7 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
     a GPU per worker)."""
     import os
     from keel.durable import check_resume_dir, check_writable_dir
-    check_runnable(scenario)
+    check_runnable(scenario, steps)
     if resume is not None:  # bad directories are refused before anything is written, imported or started
         check_resume_dir(resume)
     check_writable_dir(out_dir)

@@ -10,7 +10,6 @@ import errno
 import json
 import logging
 import os
-import stat
 import sys
 from dataclasses import dataclass, field
 from hashlib import sha256
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load as st_load
 
-from keel.durable import check_resume_dir
+from keel.durable import check_resume_dir, read_regular
 from runtime.train_state import unflatten_optimizer
 from keel.errors import InputError
 from keel.scenario import diff_configs
@@ -45,37 +44,18 @@ def apply_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any
 # ----------------------------------------------------------------------------- reading
 
 def _open_regular(path: Path, limit: int) -> bytes:
-    """The bytes of `path`, a regular file of at most `limit` bytes inside its directory: a
-    symbolic link (which could lead out of the checkpoint), a FIFO or device (which could
-    block or never end) or a file over the limit is refused before a byte is read."""
+    """keel.durable.read_regular's bytes of `path` (a regular file of at most `limit` bytes,
+    no link followed), or a CheckpointError naming the file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return read_regular(path, limit)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise CheckpointError(f"{path}: a symbolic link (a checkpoint's files must be regular files of its own)") from None
+        if e.errno in (errno.EINVAL, errno.EFBIG):  # read_regular's own refusals say why
+            raise CheckpointError(f"{path}: {e.strerror}") from None
         raise CheckpointError(f"{path}: unreadable ({e.strerror})") from None
-    except ValueError:  # a NUL byte in the name
-        raise CheckpointError(f"{path!r}: not a file name") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{path}: not a regular file")
-        if st.st_size > limit:
-            raise CheckpointError(f"{path}: {st.st_size} bytes, more than the {limit} expected (altered or appended to)")
-        chunks, left = [], st.st_size + 1  # one byte more: a file that grew is noticed
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    except OSError as e:
-        raise CheckpointError(f"{path}: unreadable ({e.strerror})") from None
-    finally:
-        os.close(fd)
 
 
 def _no_constant(name: str) -> Any:
@@ -99,12 +79,9 @@ def _read_verified(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
     mpath = path / MANIFEST
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
-    try:
-        raw = _open_regular(mpath, MAX_MANIFEST_BYTES)
-    except CheckpointError as e:
-        if str(e).endswith(": missing"):
-            raise CheckpointError(f"{mpath}: manifest missing; the checkpoint is incomplete") from None
-        raise
+    if not os.path.lexists(mpath):
+        raise CheckpointError(f"{mpath}: manifest missing; the checkpoint is incomplete")
+    raw = _open_regular(mpath, MAX_MANIFEST_BYTES)
     try:
         manifest = _json(raw)
     except (ValueError, UnicodeDecodeError) as e:

@@ -34,12 +34,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--time-scale: only an emulated run has a time scale "
                          "(add --emulate, or set emulation.enabled = true)")
     from runtime.api import check_runnable
-    check_runnable(scenario)
-    steps = args.steps if args.steps is not None else scenario.run.steps
-    if steps < 2:  # the summary measures the fault-free step time between two commits
-        what = "--steps" if args.steps is not None else f"{scenario.source}: key 'run.steps'"
-        raise InputError(f"{what}: expected at least 2 steps for a run (its step time is measured "
-                         f"between commits), got {steps}")
+    check_runnable(scenario, args.steps)  # before anything is written or started
     if args.out:
         out = Path(args.out)
     elif args.resume:
@@ -74,4 +69,3 @@ def run(args: argparse.Namespace) -> int:
                   f"first steps (warm-up, not counted) up to {emu['warmup_late_s']:.3f} s late"
                   f"{'' if emu['faithful'] else ': NOT a faithful emulation'}")
     return 0
-

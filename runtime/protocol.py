@@ -114,8 +114,6 @@ class Channel:
     def __init__(self, sock: socket.socket, max_line: int | None = None):
         self.sock = sock
         self.max_line = max_line  # None: no limit (a worker reading its coordinator's welcome)
-        self.nonce: str | None = None    # the coordinator's challenge on this connection
-        self.opened = 0.0
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._buf = b""
         self._lock = threading.Lock()

@@ -27,6 +27,11 @@ def load(path: str) -> None:
         s["topology_load_error"] = str(e)
         return
     s["topology_load_error"] = None
+    _fresh_widgets()
+
+
+def _fresh_widgets() -> None:
+    """A new base scenario: drop the edits in progress; fresh widgets (a new generation) show it."""
     s["topology_draft"] = {}
     s["topology_extra"] = ""
     s["topology_gen"] += 1
@@ -66,9 +71,7 @@ def reshape(op, *keys) -> None:
         s["topology_reshape_error"] = str(e)
         return
     s["topology_reshape_error"] = None
-    s["topology_draft"] = {}
-    s["topology_extra"] = ""
-    s["topology_gen"] += 1
+    _fresh_widgets()
 
 gen = s["topology_gen"]
 draft: dict = s["topology_draft"]

@@ -56,12 +56,14 @@ class AdmissionMixin:
                 return
             sock.setblocking(True)
             chan = Channel(sock, max_line=MAX_LINE)
-            chan.nonce, chan.opened = new_secret(), time.monotonic()
+            nonce = new_secret()
+            self.strangers[chan] = (nonce, time.monotonic() + HELLO_TIMEOUT_S)
             self.sel.register(sock, selectors.EVENT_READ, chan)
-            chan.send({"type": "challenge", "nonce": chan.nonce})
+            chan.send({"type": "challenge", "nonce": nonce})
 
     def _close(self, chan: Channel, node: str | None = None, why: str | None = None) -> None:
         """Close a connection; a worker's (`node`) is then lost, for `why`."""
+        self.strangers.pop(chan, None)
         try:
             self.sel.unregister(chan.sock)
         except (KeyError, ValueError):
@@ -71,11 +73,11 @@ class AdmissionMixin:
             self.workers[node].chan = None
             self._lost(self.workers[node], why or "connection closed")
 
-    def _drop_strangers(self, now: float) -> None:
-        """Connections that have not said an authentic hello within HELLO_TIMEOUT_S."""
-        for key in list(self.sel.get_map().values()):
-            chan = key.data
-            if isinstance(chan, Channel) and now - chan.opened > HELLO_TIMEOUT_S:
+    def _drop_strangers(self, now: float | None = None) -> None:
+        """Connections that have not said an authentic hello within HELLO_TIMEOUT_S (all of
+        them when `now` is None: the run is over)."""
+        for chan, (_, deadline) in list(self.strangers.items()):
+            if now is None or now > deadline:
                 self._close(chan)
 
     def _assign_node(self, msg: dict) -> str | None:
@@ -89,7 +91,8 @@ class AdmissionMixin:
         return free[0] if free else None
 
     def _on_hello(self, chan: Channel, msg: dict) -> str | None:
-        if msg.get("type") != "hello" or not authentic(self.secret, chan.nonce or "", msg.get("mac")):
+        nonce, _ = self.strangers.pop(chan)
+        if msg.get("type") != "hello" or not authentic(self.secret, nonce, msg.get("mac")):
             chan.send({"type": "refused", "reason": "not the job's secret (KEEL_JOB_SECRET)"})
             self._close(chan)
             return None

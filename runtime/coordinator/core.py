@@ -93,6 +93,7 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
         if resume is not None:
             self._prepare_resume(Path(resume))
         self.sel = selectors.DefaultSelector()
+        self.strangers: dict[Channel, tuple[str, float]] = {}  # not yet admitted: (nonce, deadline)
         self.silence_s = silence_s()
         self.hb_period, self.hb_sent = min(1.0, self.silence_s / 10), 0.0
         self.host, self.port_wanted = parse_address(listen)
@@ -311,9 +312,7 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
                 w.proc.stop(deadline - time.monotonic())
         for w in self.workers.values():
             self._drop_channel(w)
-        for key in list(self.sel.get_map().values()):  # connections that never said an authentic hello
-            if isinstance(key.data, Channel):
-                self._close(key.data)
+        self._drop_strangers()  # connections that never said an authentic hello
         try:
             self.listener.close()
         except OSError:
