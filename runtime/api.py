@@ -65,7 +65,8 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
                  allow_config_change: bool = False, progress: bool = True,
                  listen: str = "127.0.0.1:0", spawn: bool = True, hangs: str | None = None,
                  device: str | None = None, backend: str | None = None) -> dict[str, Any]:
-    """Run `scenario` for real: a coordinator here, one worker process per node. Writes
+    """Run `scenario` for real: this process supervises (runtime/supervisor.py) a coordinator
+    process, restarted if it dies, and one worker process per node. Writes
     `out_dir/events.jsonl` and `out_dir/summary.json`; returns the summary. Raises
     `keel.errors.RunFailed` if the run could not complete, `InputError` for bad input.
     `device`/`backend` default to $KEEL_DEVICE ("cpu") and $KEEL_BACKEND ("gloo"; "nccl" needs
@@ -77,17 +78,16 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
         check_resume_dir(resume)
     check_writable_dir(out_dir)
     from keel.rundir import write_summary
-    from runtime.coordinator import Coordinator
+    from runtime.supervisor import Supervisor
 
     scenario = with_steps(scenario, steps)
     if no_faults:
         scenario = without_faults(scenario)
     out = Path(out_dir)
-    coord = Coordinator(scenario, out, resume=resume, allow_config_change=allow_config_change,
-                        progress=progress, listen=listen, spawn=spawn, hangs=hangs,
-                        device=device or os.environ.get("KEEL_DEVICE", "cpu"),
-                        backend=backend or os.environ.get("KEEL_BACKEND", "gloo"))
-    summary = coord.run()
+    options = {"resume": str(resume) if resume is not None else None, "allow_config_change": allow_config_change,
+               "progress": progress, "hangs": hangs, "device": device or os.environ.get("KEEL_DEVICE", "cpu"),
+               "backend": backend or os.environ.get("KEEL_BACKEND", "gloo")}
+    summary = Supervisor(scenario, out, listen=listen, spawn=spawn, options=options).run()
     write_summary(out, summary)
     return summary
 

@@ -36,12 +36,12 @@ class Planned:
     cls: str
     target: str
     params: dict[str, Any]
-    mode: str = "kill"  # kill | hang | jitter | poison
+    mode: str = "kill"  # kill | hang | jitter | poison | coordinator
 
 
 def planned_faults(scenario: Scenario, no_faults: bool = False, extra_hangs: str | None = None) -> list[Planned]:
     """The scheduled faults (keel.recovery.resolve_schedule) as injections, plus test hangs."""
-    modes = {"network_jitter": "jitter", "data_shard_skew": "poison"}
+    modes = {"network_jitter": "jitter", "data_shard_skew": "poison", "coordinator_loss": "coordinator"}
     out: list[Planned] = []
     if not no_faults:
         out = [Planned(r.index, r.at_step, r.cls, r.target, r.params(), modes.get(r.cls, "kill"))

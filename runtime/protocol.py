@@ -114,7 +114,8 @@ class Channel:
     def __init__(self, sock: socket.socket, max_line: int | None = None):
         self.sock = sock
         self.max_line = max_line  # None: no limit (a worker reading its coordinator's welcome)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family != socket.AF_UNIX:  # a supervisor's link is a Unix socketpair
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._buf = b""
         self._lock = threading.Lock()
         self.closed = False

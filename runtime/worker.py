@@ -19,7 +19,6 @@ import math
 import os
 import queue
 import signal
-import socket
 import sys
 import threading
 import time
@@ -31,9 +30,10 @@ import torch
 from runtime.emulation.worker import EmulatedNodeMixin
 from runtime.groups import PG_TIMEOUT, GroupFactory
 from runtime.inject import CommGate, kill_self, poisoned_at
-from runtime.protocol import COORDINATOR_SILENCE_S, SECRET_ENV, Channel, ProtocolError, env_secret, hello_mac, parse_address
+from runtime.protocol import COORDINATOR_SILENCE_S, SECRET_ENV, ProtocolError, env_secret, parse_address
 from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter
 from runtime.worker_checkpoint import CheckpointMixin
+from runtime.worker_link import CoordinatorLink, Refused, handshake
 from runtime.worker_state import StateMixin
 
 BOUND_HEADROOM = 256.0  # slot values may exceed the first moment this much and still take one round
@@ -104,28 +104,18 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin):
     def _join(self, address: str, node: str | None, rank_hint: int | None) -> tuple[str, dict[str, Any]]:
         """Answer the challenge of the coordinator at `address` with the job's secret
         (KEEL_JOB_SECRET, runtime/protocol.py); its welcome names this worker's node and carries
-        the resolved scenario."""
-        secret = env_secret() or ""
-        host, port = parse_address(address)
-        sock = socket.create_connection((host, port), timeout=60)
-        self.chan = Channel(sock)
+        the resolved scenario. The connection is kept across coordinator restarts (worker_link.py)."""
         try:
-            challenge = self.chan.recv()
-            if challenge is None or challenge.get("type") != "challenge":
-                raise SystemExit(f"worker: no challenge from the coordinator at {address} (got {challenge!r})")
-            self.chan.send({"type": "hello", "node": node, "rank_hint": rank_hint, "pid": os.getpid(),
-                            "host": socket.gethostname(), "mac": hello_mac(secret, str(challenge.get("nonce")))})
-            welcome = self.chan.recv()
+            chan, welcome = handshake(address, {"node": node, "rank_hint": rank_hint}, timeout=60)
+        except Refused as e:
+            raise SystemExit(f"worker: not admitted by the coordinator at {address}: {e}") from None
         except (ProtocolError, TimeoutError) as e:
             raise SystemExit(f"worker: the peer at {address} is not a keel coordinator ({e})") from None
-        if welcome is None or welcome.get("type") != "welcome":
-            raise SystemExit(f"worker: not admitted by the coordinator at {address}: "
-                             f"{(welcome or {}).get('reason', 'the connection closed')}")
-        sock.settimeout(float(welcome.get("silence_s") or COORDINATOR_SILENCE_S))  # silent that long: gone
+        self.chan = CoordinatorLink(address, chan, float(welcome.get("silence_s") or COORDINATOR_SILENCE_S))
         self.node = welcome["node"]
-        self.coord_host = host
+        self.coord_host = parse_address(address)[0]
         self.run_info = welcome
-        return host, welcome
+        return self.coord_host, welcome
 
     def _build(self, welcome: dict[str, Any]) -> None:
         """The scenario's model, optimizer, data and reducer on this worker's device, and its
@@ -163,24 +153,24 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin):
 
     def _reader(self) -> None:
         while True:
-            try:
-                msg = self.chan.recv()
-            except ProtocolError:
-                msg = None
-            if msg is None:  # the coordinator is gone (closed, or silent too long): nothing left to do
-                if not self.stopping:
-                    print(f"worker {self.node}: the coordinator's connection closed or went silent; exiting",
-                          file=sys.stderr, flush=True)
-                os._exit(0 if self.stopping else 3)
+            msg = self.chan.recv()
+            if msg is None:  # the coordinator is gone (closed, or silent too long)
+                if self.stopping:
+                    os._exit(0)
+                print(f"worker {self.node}: the coordinator's connection closed or went silent; rejoining",
+                      file=sys.stderr, flush=True)
+                if self._rejoin():
+                    continue
+                print(f"worker {self.node}: no coordinator took this worker back within "
+                      f"{self.chan.silence_s:g} s; exiting", file=sys.stderr, flush=True)
+                os._exit(3)
             kind = msg.get("type")
             if kind == "hb":
                 continue
             if kind == "stop":
                 self.stopping = True
             if kind == "abort":
-                self.abort_gen = max(self.abort_gen, int(msg["gen"]))
-                self.abort_event.set()
-                self.waiter.interrupt()
+                self._abort(int(msg["gen"]))
                 self.inbox.put(msg)
             elif kind == "jitter":
                 self.gate.start(int(msg["index"]), float(msg["spike_ms"]), float(msg["duration_s"]),
@@ -190,14 +180,39 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin):
             else:
                 self.inbox.put(msg)
 
+    def _abort(self, gen: int) -> None:
+        self.abort_gen = max(self.abort_gen, gen)
+        self.abort_event.set()
+        self.waiter.interrupt()
+
+    def _rejoin(self) -> bool:
+        """Rejoin a successor coordinator (worker_link.py). What the dead one sent and this
+        worker has not acted on is dropped; the generation it is in is left (the successor
+        forms the next one), and so is any it may still find queued."""
+        hello = lambda: {"node": self.node, "rejoin": {  # noqa: E731
+            "gen": self.gen, "committed": self.committed, "in_gen": self.gen >= 0 and self.acked_gen < self.gen}}
+        welcome = self.chan.rejoin(hello, lambda: self.stopping)
+        if welcome is None:
+            return False
+        while True:
+            try:
+                self.inbox.get_nowait()
+            except queue.Empty:
+                break
+        print(f"worker {self.node}: rejoined the coordinator (gen {self.gen}, step {self.committed})",
+              file=sys.stderr, flush=True)
+        self._abort(max(self.gen, int(welcome.get("gen", -1))))
+        if self.gen >= 0 and self.acked_gen < self.gen:
+            self.inbox.put({"type": "abort", "gen": self.gen})  # if idle, serve() says it left
+        return True
+
     def _heartbeat(self) -> None:
         period = self.scenario.policy.heartbeat_s * self.scale
         while True:
             msg: dict[str, Any] = {"type": "hb", "at": self.at}
             if self.standby:
                 msg["probe_s"] = self.gate.pass_through()
-            if not self.chan.send(msg):
-                return
+            self.chan.send(msg)  # dropped while no coordinator is connected
             time.sleep(period)
 
     # ------------------------------------------------------------------------- main loop

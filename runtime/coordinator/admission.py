@@ -1,52 +1,25 @@
-"""Who may join (a mixin of runtime.coordinator.core.Coordinator): the control port and the
-rendezvous store bound to the coordinator's host, the challenge on every new connection, the
-authentic hello that admits a worker to a node, and the connections closed for anything else
-(runtime/protocol.py says what the protocol allows)."""
+"""Who may join (a mixin of runtime.coordinator.core.Coordinator): the control port (bound by
+the supervisor, runtime/supervisor.py), the challenge on every new connection, the authentic
+hello that admits a worker to a node (or takes back a dead coordinator's, succession.py), and
+the connections closed for anything else (runtime/protocol.py says what the protocol allows)."""
 from __future__ import annotations
 
-import datetime
 import selectors
 import socket
-import sys
 import time
 
-from keel.errors import InputError
 from runtime.coordinator.workers import WorkerState
 from runtime.protocol import HELLO_TIMEOUT_S, MAX_LINE, Channel, authentic, new_secret
 
 
-def _loopback(host: str) -> bool:
-    import ipaddress
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class AdmissionMixin:
-    def _listen(self) -> None:
-        """The control port and the rendezvous store, both bound to `self.host` only (torch's
-        TCPStore alone would listen on every interface: it is handed a socket bound here).
-        Beyond loopback, a warning names what is exposed."""
-        import torch.distributed as dist
-        host, port = self.host, self.port_wanted
-        try:
-            self.listener = socket.create_server((host, port), backlog=256)
-            store_sock = socket.create_server((host, 0), backlog=256)
-        except OSError as e:
-            raise InputError(f"--listen {host}:{port}: cannot listen there ({e.strerror or e})") from None
+    def _adopt(self, endpoints: dict) -> None:
+        """Take the control port and the store a supervisor holds (runtime/supervisor.py):
+        they outlive this coordinator, so a successor is found where it was."""
+        self.listener = socket.socket(fileno=int(endpoints["listener_fd"]))
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
-        store_port = store_sock.getsockname()[1]
-        self.store = dist.TCPStore(host, store_port, None, True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=300), master_listen_fd=store_sock.detach())
-        if not _loopback(host):
-            print(f"keel: warning: listening beyond this machine on {host}: the coordinator's port {self.port} "
-                  f"(workers must prove the job's secret) and the rendezvous store's port {store_port} "
-                  f"(torch's TCPStore: no authentication); firewall them to the job's machines",
-                  file=sys.stderr, flush=True)
+        self.store_port = int(endpoints["store_port"])
 
     def _accept(self) -> None:
         while True:
@@ -96,6 +69,17 @@ class AdmissionMixin:
             chan.send({"type": "refused", "reason": "not the job's secret (KEEL_JOB_SECRET)"})
             self._close(chan)
             return None
+        if "rejoin" in msg:  # a worker of a dead coordinator's (succession.py)
+            node = self.on_rejoin(chan, msg)
+            if node is None:
+                chan.send({"type": "refused", "reason": "not a worker this coordinator takes back (lost, or its "
+                                                        "node connected already)"})
+                self._close(chan)
+                return None
+            self.sel.modify(chan.sock, selectors.EVENT_READ, (chan, node))
+            chan.send({"type": "welcome", "node": node, "committed": self.committed, "gen": self.gen,
+                       "silence_s": self.silence_s})
+            return node
         node = self._assign_node(msg)
         if node is None:
             chan.send({"type": "refused", "reason": "no such node, or every node is taken"})
@@ -113,7 +97,7 @@ class AdmissionMixin:
             self.pid_history[node].append(w.pid)
         w.last_seen = time.monotonic()
         chan.send({"type": "welcome", "node": node, "scenario": self.config, "source": self.sc.source,
-                   "store_port": self.store.port, "store_host": self.host, "config_hash": self.config_hash,
+                   "store_port": self.store_port, "store_host": self.host, "config_hash": self.config_hash,
                    "out_dir": str(self.out.resolve()), "local_index": self.order[node], "silence_s": self.silence_s,
                    **self.welcome,
                    **({"emulation": {"anchor": self.t0, "scale": self.scale}} if self.emulated else {})})

@@ -19,38 +19,36 @@ from keel.errors import InputError, RunFailed
 from keel.events import Event, EventLog
 from keel.scenario import Scenario
 
+from runtime.coordinator import snapshot
 from runtime.coordinator.admission import AdmissionMixin
 from runtime.coordinator.workers import WorkerState
 from runtime.coordinator.episodes import EpisodeBook
 from runtime.coordinator.faults import FaultsMixin
 from runtime.coordinator.generations import JOIN_TIMEOUT_S, GenerationsMixin
 from runtime.coordinator.messages import MessagesMixin
-from runtime.coordinator.procs import start_worker
 from runtime.coordinator.stall import stall_report
 from runtime.coordinator.stragglers import StragglerWatch
+from runtime.coordinator.succession import SuccessionMixin
 from runtime.inject import planned_faults, poison_schedule
-from runtime.protocol import Channel, ProtocolError, check_worker_message, env_secret, new_secret, parse_address, silence_s
+from runtime.protocol import Channel, ProtocolError, check_worker_message, env_secret, silence_s
 
 STALL_MIN_S = 60.0
 
 
-class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
+class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, SuccessionMixin):
     """Hosts the rendezvous store and one control connection per worker, tracks the workers
     by heartbeat, process exit and EOF, and is the single writer of `events.jsonl`."""
 
-    def __init__(self, scenario: Scenario, out_dir: str | Path, *, resume: str | Path | None = None,
-                 no_faults: bool = False, allow_config_change: bool = False, progress: bool = True,
-                 listen: str = "127.0.0.1:0", spawn: bool = True, hangs: str | None = None,
+    def __init__(self, scenario: Scenario, out_dir: str | Path, *, link: Channel, endpoints: dict,
+                 resume: str | Path | None = None, no_faults: bool = False, allow_config_change: bool = False,
+                 progress: bool = True, host: str = "127.0.0.1", spawn: bool = True, hangs: str | None = None,
                  device: str = "cpu", backend: str = "gloo", data_root: str | None = None,
-                 secret: str | None = None):
-        """`secret`: the job's secret (runtime/protocol.py); by default KEEL_JOB_SECRET, or a
-        fresh one where this coordinator starts every worker itself."""
+                 recover: dict | None = None, incarnation: int = 0):
+        """A child of the supervisor (runtime/supervisor.py): `link` to it, `endpoints` it
+        holds (the control port's listening fd on `host`, the store's port), the job's secret
+        in KEEL_JOB_SECRET, and for a successor `recover` (succession.py)."""
         self.sc = scenario
-        self.secret = secret or env_secret() or (new_secret() if spawn else None)
-        if self.secret is None:
-            raise InputError("KEEL_JOB_SECRET: not set; a coordinator whose workers start elsewhere needs the "
-                             "job's secret, the same for it and every worker (e.g. export KEEL_JOB_SECRET="
-                             "$(python3 -c 'import secrets; print(secrets.token_hex(32))'))")
+        self.secret = env_secret()
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(exist_ok=True)
@@ -90,15 +88,18 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
         self.load_path: str | None = None
         self.init_generations()
         self.init_faults()
-        if resume is not None:
+        if resume is not None and recover is None:
             self._prepare_resume(Path(resume))
+        self.init_succession(link, recover, incarnation)
         self.sel = selectors.DefaultSelector()
         self.strangers: dict[Channel, tuple[str, float]] = {}  # not yet admitted: (nonce, deadline)
         self.silence_s = silence_s()
         self.hb_period, self.hb_sent = min(1.0, self.silence_s / 10), 0.0
-        self.host, self.port_wanted = parse_address(listen)
-        self._listen()
+        self.host = host
+        self._adopt(endpoints)
         self.sel.register(self.listener, selectors.EVENT_READ, None)
+        link.sock.setblocking(False)
+        self.sel.register(link.sock, selectors.EVENT_READ, "link")
 
     # ------------------------------------------------------------------------- events
 
@@ -116,6 +117,7 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
                   fault=fault, target=target, action=action, detail=detail)
         self.log.emit(e)
         self.last_event_was_commit = kind == "step"
+        self.dirty = True
         return e
 
     # ------------------------------------------------------------------------- resume
@@ -136,12 +138,11 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
     # ------------------------------------------------------------------------- workers
 
     def spawn(self, node: str, fresh_interpreter: bool = False) -> None:
-        """Start the worker of `node` on this machine (procs.start_worker). On a GPU every worker
+        """Have the supervisor start the worker of `node` (procs.start_worker). On a GPU every worker
         is a fresh interpreter: CUDA cannot be used in a process forked from one that has
         touched it, and the fork server has (measured on an H200 with torch 2.11, 4 Dec)."""
-        log_path = self.out / "logs" / (node.replace("/", "_") + ".log")
         fresh_interpreter = fresh_interpreter or str(self.welcome.get("device", "cpu")).startswith("cuda")
-        proc = start_worker(node, f"{self.host}:{self.port}", log_path, self.secret, fresh_interpreter)
+        proc = self.supervised_spawn(node, fresh_interpreter)
         old = self.workers.get(node)
         if old is not None and old.chan is not None:
             self._drop_channel(old)
@@ -149,6 +150,7 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
         self.watch.forget(node)
         self.workers[node] = WorkerState(node=node, proc=proc, pid=proc.pid, last_seen=time.monotonic())
         self.pid_history[node].append(proc.pid)
+        self.dirty = True
 
     def _drop_channel(self, w: WorkerState) -> None:
         if w.chan is not None:
@@ -163,18 +165,22 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
 
     def run(self) -> dict[str, Any]:
         from keel.progress import progress_bar
-        self.t0 = time.monotonic()
         self.bar = progress_bar(total=self.total, initial=self.committed, desc=self.sc.run.name, unit="step",
                                 enabled=self.progress)
-        self.emit("run_start", nodes=len(self.nodes), slots=self.sc.slot_count, policy=self.policy.kind,
-                  hot_spares=self.policy.hot_spares, config_hash=self.config_hash, seed=self.sc.run.seed,
-                  start_step=self.start_step, resume_from=self.load_path, coordinator=f"{self.host}:{self.port}",
-                  **({"emulated": True, "time_scale": self.scale} if self.emulated else {}))
         try:
-            if self.spawn_local:
-                for n in self.nodes:
-                    self.spawn(n)
-            self.join_deadline = time.monotonic() + JOIN_TIMEOUT_S
+            if self.recover is not None:  # a successor: the run goes on (succession.py)
+                self.begin_succession()
+            else:
+                self.t0 = time.monotonic()
+                self.emit("run_start", nodes=len(self.nodes), slots=self.sc.slot_count, policy=self.policy.kind,
+                          hot_spares=self.policy.hot_spares, config_hash=self.config_hash, seed=self.sc.run.seed,
+                          start_step=self.start_step, resume_from=self.load_path,
+                          coordinator=f"{self.host}:{self.port}",
+                          **({"emulated": True, "time_scale": self.scale} if self.emulated else {}))
+                if self.spawn_local:
+                    for n in self.nodes:
+                        self.spawn(n)
+                self.join_deadline = time.monotonic() + JOIN_TIMEOUT_S
             while self.phase != "finished":
                 self._tick()
                 if self.failure:
@@ -189,15 +195,18 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
         for key, _ in self.sel.select(timeout):
             if key.data is None:
                 self._accept()
+            elif key.data == "link":
+                self.on_link()
             else:
                 self._read(key)
         now = time.monotonic()
         self._drop_strangers(now)
+        self.link_beat()
         if now - self.hb_sent > self.hb_period:  # workers give a silent coordinator up (protocol.py)
             self.hb_sent = now
             for w in self.workers.values():
                 if w.chan is not None:
-                    w.chan.send({"type": "hb"})
+                    w.chan.send({"type": "hb", "committed": self.committed})
         for w in list(self.workers.values()):
             if not w.alive:
                 continue
@@ -216,6 +225,9 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
         stall = max(STALL_MIN_S, 20 * self.policy.detect_timeout_s)
         if self.phase in ("running", "aborting", "finishing") and now - self.last_progress > stall:
             self.failure = self._stall(stall)
+        if self.dirty:  # what a successor would need (snapshot.py)
+            snapshot.save(self)
+            self.dirty = False
 
     def _read(self, key: selectors.SelectorKey) -> None:
         chan, node = key.data if isinstance(key.data, tuple) else (key.data, None)
@@ -250,6 +262,7 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
             w.at = msg.get("at", w.at)
         else:
             w.last_msg, w.last_msg_t = msg, w.last_seen
+            self.dirty = self.dirty or kind != "step"
         handler = self.HANDLERS.get(kind)
         if handler is not None:
             handler(self, w, msg)
@@ -279,8 +292,9 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
 
     def _finish(self) -> dict[str, Any]:
         from keel.metrics import summarize
-        self.emit("run_end", step_time_s=self.fault_free_step_time(), restarts=self.restarts,
-                  generations=self.gen + 1, final_weights_sha256=self.final_sha)
+        if not any(e.kind == "run_end" for e in self.log.events[self.events_start:]):  # a successor's may be written
+            self.emit("run_end", step_time_s=self.fault_free_step_time(), restarts=self.restarts,
+                      generations=self.gen + 1, final_weights_sha256=self.final_sha)
         summary = summarize(self.log.events[self.events_start:])
         if self.start_step:
             summary["steps"] = self.committed
@@ -292,6 +306,7 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
             "final_weights_sha256": self.final_sha, "checkpoints": self.checkpoints,
             "pids": {n: list(p) for n, p in self.pid_history.items()},
             "generations": self.gen + 1, "quarantine": sorted(self.quarantine),
+            "coordinator_restarts": self.incarnation,
             "slot_map": {m: self.slot_map[m] for m in self.members},
         })
         if self.emulated:
@@ -322,12 +337,14 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin):
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m runtime.coordinator SCENARIO --listen HOST:PORT --out DIR`: a coordinator
-    that waits for workers started elsewhere (by hand or by torchrun). It and its workers share
-    the job's secret through KEEL_JOB_SECRET (runtime/protocol.py)."""
+    (under its supervisor, which restarts it) that waits for workers started elsewhere (by hand
+    or by torchrun). It and its workers share the job's secret through KEEL_JOB_SECRET
+    (runtime/protocol.py)."""
     import argparse
 
     from keel.rundir import write_summary
     from keel.scenario import load
+    from runtime.supervisor import Supervisor
     p = argparse.ArgumentParser(prog="python -m runtime.coordinator")
     p.add_argument("scenario", help="scenario TOML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -340,10 +357,45 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         sc = load(args.scenario, args.overrides)
-        coord = Coordinator(sc, args.out, listen=args.listen, spawn=False, no_faults=args.no_faults)
+        sup = Supervisor(sc, args.out, listen=args.listen, spawn=False, options={"no_faults": args.no_faults})
+        print(f"coordinator listening on {sup.host}:{sup.port}", file=sys.stderr, flush=True)
+        summary = sup.run()
     except InputError as e:
         print(f"keel: {e}", file=sys.stderr)
         return 2
-    print(f"coordinator listening on {coord.host}:{coord.port}", file=sys.stderr, flush=True)
-    write_summary(args.out, coord.run())
+    except RunFailed as e:
+        print(f"keel: run failed: {e}", file=sys.stderr)
+        return 1
+    write_summary(args.out, summary)
+    return 0
+
+
+def supervised_main(argv: list[str]) -> int:
+    """`python -m runtime.coordinator --supervised FD --listener-fd FD`: the coordinator as its
+    supervisor starts it; the run's verdict goes back over the link (runtime/supervisor.py)."""
+    import socket
+
+    from keel.scenario import from_dict
+    link = Channel(socket.socket(fileno=int(argv[2])))
+    init = link.recv()
+    if init is None or init.get("type") != "init":
+        return 2
+    try:
+        sc = from_dict(init["scenario"], source=init["source"])
+        coord = Coordinator(sc, init["out_dir"], link=link, host=init["host"], spawn=init["spawn"],
+                            endpoints={"listener_fd": int(argv[4]), "store_port": init["store_port"]},
+                            recover=init["recover"], incarnation=init["incarnation"], **init["options"])
+        summary = coord.run()
+        verdict = {"type": "result", "summary": summary}
+    except InputError as e:
+        verdict = {"type": "failed", "error": "InputError", "message": str(e)}
+    except RunFailed as e:
+        verdict = {"type": "failed", "error": "RunFailed", "message": str(e)}
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # a bug, not a death: a successor would meet it again
+        import traceback
+        verdict = {"type": "failed", "error": "RunFailed", "message": "the coordinator failed:\n" + traceback.format_exc()}
+    link.sock.setblocking(True)
+    link.send(verdict)
     return 0

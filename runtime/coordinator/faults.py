@@ -12,6 +12,7 @@ twin; a spike whose nodes are all lost ends at the next commit.
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -20,6 +21,7 @@ from typing import Any
 from keel import recovery as R
 from keel.events import Event
 
+from runtime.coordinator import snapshot
 from runtime.coordinator.episodes import Episode, Stage
 from runtime.coordinator.generations import JOIN_TIMEOUT_S
 from runtime.inject import Planned
@@ -66,14 +68,19 @@ class FaultsMixin:
         return bool(w and w.alive)
 
     def _fire(self, p: Planned) -> bool:
+        planned = self.fired - 1  # its place in self.planned: a successor replays it as fired (snapshot.py)
+        if p.mode == "coordinator":  # this process dies by a real SIGKILL, its state saved; the supervisor replaces it
+            self._new_episode(p.cls, p.target, mode="kill", pid=os.getpid(), planned=planned)
+            snapshot.save(self)
+            os.kill(os.getpid(), signal.SIGKILL)
         if p.mode == "poison":
             if R.shard_skipped(self.policy.quarantine, {f"shard/{s}" for s in self.quarantine}, p.target):
                 return False  # quarantined already: it yields nothing bad again (the twin fires nothing either)
-            self._new_episode(p.cls, p.target, shard=p.params["shard"], from_step=p.at_step + 1)
+            self._new_episode(p.cls, p.target, shard=p.params["shard"], from_step=p.at_step + 1, planned=planned)
             return False
         if p.mode == "jitter":
             targets = [n for n in self.nodes if (n == p.target or self.region_of[n] == p.target) and self._live(n)]
-            ep = self._new_episode(p.cls, p.target, nodes=targets, **p.params)
+            ep = self._new_episode(p.cls, p.target, nodes=targets, planned=planned, **p.params)
             ep.nodes = targets
             ep.until = ep.t + float(p.params["duration_s"])
             scope = "node" if "/" in p.target else "region"
@@ -87,7 +94,7 @@ class FaultsMixin:
             targets = [p.target] if self._live(p.target) else []
         if not targets:  # every target is down already: nothing to strike (the twin fires nothing either)
             return False
-        ep = self._new_episode(p.cls, p.target, nodes=targets, mode=p.mode)
+        ep = self._new_episode(p.cls, p.target, nodes=targets, mode=p.mode, planned=planned)
         ep.nodes = targets
         sig = signal.SIGSTOP if p.mode == "hang" else signal.SIGKILL
         for n in targets:  # one loop: the same moment

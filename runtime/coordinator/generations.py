@@ -104,6 +104,7 @@ class GenerationsMixin:
 
     def _announce(self, *, load: str | None, start: int, force_broadcast: bool = False) -> None:
         self.gen += 1
+        self.succeeding = False
         self.members = sorted(self.slot_map, key=self.order.get)
         live_members = [self.workers[m] for m in self.members]
         source = self._state_source(live_members, start, force_broadcast)

@@ -19,7 +19,7 @@ class MessagesMixin:
         w.committed = int(msg.get("committed", 0))
 
     def _on_step(self, w: "WorkerState", msg: dict) -> None:
-        if "late_s" in msg:
+        if "late_s" in msg and not msg.get("resent"):
             st = self.emu_stats
             late = float(msg["late_s"])
             if msg.get("warmup"):  # a process's first step: the small model's and gloo's set-up
@@ -36,6 +36,8 @@ class MessagesMixin:
             self.reports.setdefault(int(msg["step"]), {})[w.node] = msg
             if self.phase == "running":
                 self._try_commit()
+        elif self.succeeding and int(msg["step"]) > self.committed:  # reports the dead coordinator did not commit
+            self.reports.setdefault(int(msg["step"]), {})[w.node] = msg
 
     def _on_ready(self, w: "WorkerState", msg: dict) -> None:
         t = self.gen_t.setdefault(int(msg["gen"]), {})
@@ -51,7 +53,7 @@ class MessagesMixin:
 
     def _on_aborted(self, w: "WorkerState", msg: dict) -> None:
         w.committed = int(msg["committed"])
-        if int(msg["gen"]) == self.gen:
+        if int(msg["gen"]) <= self.gen:  # a successor's generation number is past the one left (succession.py)
             self.pending_acks.discard(w.node)
 
     def _on_ckpt_start(self, w: "WorkerState", msg: dict) -> None:

@@ -1,4 +1,5 @@
-"""Process management: the worker processes this coordinator starts on its own machine.
+"""Process management: the worker processes started on this machine (by the supervisor,
+runtime/supervisor.py, which outlives any one coordinator), and a coordinator's handle on them.
 
 A worker is forked from a fork server that imported torch once (fast: what absorb pays to
 replace nothing, and what a hot spare already is), or started as a fresh interpreter that
@@ -88,6 +89,45 @@ class LocalProcess:
         except subprocess.TimeoutExpired:
             self.signal(signal.SIGKILL)
             self.wait()
+
+
+class SupervisedProcess:
+    """A coordinator's handle on a worker its supervisor started (for it or for a
+    predecessor): signalled by pid, its exit told over the link (`coord.exits`)."""
+
+    def __init__(self, coord, pid: int):
+        self.coord = coord
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        return self.coord.exits.get(self.pid)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if not self.coord.link_wait(lambda: self.pid in self.coord.exits, 3600.0 if timeout is None else timeout):
+            raise subprocess.TimeoutExpired("worker", timeout)
+        return self.coord.exits[self.pid]
+
+    def signal(self, sig: int) -> bool:
+        if self.pid in self.coord.exits:  # gone: the pid may be another process's by now
+            return False
+        return signal_pid(self.pid, sig)
+
+    def stop(self, timeout: float) -> None:
+        """Wait up to `timeout` for it to exit, then SIGKILL it."""
+        if self.pid in self.coord.exits:
+            return
+        try:
+            self.wait(max(0.1, timeout))
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            try:
+                self.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def start_worker(node: str, address: str, log_path: Path, secret: str,

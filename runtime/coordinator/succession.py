@@ -1,0 +1,143 @@
+"""A coordinator under a supervisor (runtime/supervisor.py), and the successor of one that died
+(a mixin of runtime.coordinator.core.Coordinator).
+
+Under a supervisor the coordinator asks it to start workers (`spawn`), hears of their exits
+(`exited`), and says `hb` every HB_S so that a hung coordinator is found.
+
+A successor restores the dead one's state (snapshot.py), opens the `coordinator_loss` episode
+(or carries on the one the injection opened: fault -> detect -> recover_start), and then:
+- under `absorb`, ends the generation as if aborted: every live member rejoins (worker_link.py),
+  sends again the step reports not yet committed, leaves its generation and says so; the steps
+  some member committed are committed and the next generation is announced, on the same slot
+  map unless someone was lost meanwhile. A member that does not rejoin in time is lost, as
+  one that does not leave an aborted generation always is. The episode ends at the new
+  generation's first commit (its `ack_s`: from the death to that announcement).
+- under `checkpoint_restart`, relaunches every worker from the newest checkpoint, as torchrun
+  does when its rendezvous is lost (keel.recovery.action_for).
+"""
+from __future__ import annotations
+
+import os
+import select
+import time
+from typing import Any, Callable
+
+from runtime.coordinator import snapshot
+from runtime.coordinator.episodes import Stage
+from runtime.coordinator.generations import JOIN_TIMEOUT_S
+from runtime.coordinator.procs import SupervisedProcess
+
+HB_S = 0.5
+
+
+class SuccessionMixin:
+    def init_succession(self, link: Any, recover: dict[str, Any] | None, incarnation: int) -> None:
+        self.link = link
+        self.recover = recover
+        self.incarnation = incarnation
+        self.succeeding = False   # between a successor's start and its first announcement
+        self.dirty = False        # something the snapshot holds changed this loop turn
+        self.exits: dict[int, int | None] = {}   # worker pid -> exit code, as the supervisor says
+        self.spawned: dict[str, int] = {}
+        self.link_hb = 0.0
+        if recover is not None:
+            snapshot.restore(self, snapshot.load(self.out))
+
+    # ------------------------------------------------------------------------- the supervisor
+
+    def on_link(self) -> None:
+        msgs = self.link.recv_ready()
+        if msgs is None:
+            self.failure = "the supervisor (keel run) is gone"
+            return
+        for msg in msgs:
+            if msg.get("type") == "exited":
+                self.exits[int(msg["pid"])] = msg.get("rc")
+            elif msg.get("type") == "spawned":
+                self.spawned[str(msg["node"])] = int(msg["pid"])
+
+    def link_beat(self) -> None:
+        now = time.monotonic()
+        if self.link is not None and now - self.link_hb > HB_S:
+            self.link_hb = now
+            self.link.send({"type": "hb"})
+
+    def link_wait(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Serve the supervisor's link until `done()` or `timeout` seconds; done()."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0 or self.link is None:
+                return done()
+            self.link_beat()
+            ready, _, _ = select.select([self.link.sock], [], [], min(left, 0.05))
+            if ready:
+                self.on_link()
+                if self.failure:
+                    return done()
+        return True
+
+    def supervised_spawn(self, node: str, fresh: bool) -> SupervisedProcess:
+        self.spawned.pop(node, None)
+        self.link.send({"type": "spawn", "node": node, "fresh": fresh})
+        if not self.link_wait(lambda: node in self.spawned, 120.0):
+            raise RuntimeError(f"the supervisor did not start the worker of {node}")
+        return SupervisedProcess(self, self.spawned.pop(node))
+
+    # ------------------------------------------------------------------------- a successor
+
+    def begin_succession(self) -> None:
+        rec = self.recover
+        noticed = max(0.0, (float(rec["noticed"]) - self.t0) / self.scale)  # monotonic is machine-wide
+        live = {int(pid) for pid in rec["workers"].values()}
+        self.exits.update({int(pid): rc for pid, rc in rec["exited"].items()})
+        for w in self.workers.values():
+            w.chan = None
+            if w.pid in live or w.pid in self.exits:
+                w.proc = SupervisedProcess(self, w.pid)
+        ep = next((e for e in self.book if e.cls == "coordinator_loss" and e.stage == Stage.STRUCK), None)
+        if ep is None:  # nobody injected this: a real death (or a hang the supervisor ended)
+            ep = self._new_episode("coordinator_loss", "coordinator", t=noticed, mode="external", how=rec["how"])
+        ep.detect(noticed)
+        self.emit_ep("detect", ep, t=noticed, how=rec["how"], detect_s=noticed - ep.t)
+        ep.start_recovery(self.now())
+        self.emit_ep("recover_start", ep, gen=self.gen, incarnation=self.incarnation, pid=os.getpid(),
+                     start_s=self.now() - noticed)
+        was = self.phase
+        if was == "finished":
+            return
+        if self.policy.kind == "checkpoint_restart" and was != "finishing":
+            self.phase = "running"  # _restart relaunches from any phase but its own
+            self._restart(ep)
+            return
+        self.succeeding = True
+        self.gen += 1  # past any generation the dead one may have announced without saving it
+        self.t_abort = noticed  # abort_s: from the death to the next announcement
+        now = time.monotonic()
+        if was in ("joining", "restarting"):  # no generation yet: every live worker (re)joins
+            for w in self.workers.values():
+                w.joined = False
+            self.phase = "joining"
+            self.join_deadline = now + JOIN_TIMEOUT_S
+            return
+        self.phase = "aborting"
+        self.pending_acks = {m for m in self.members if self.workers[m].alive}
+        self.abort_deadline = now + max(2.0, 2 * self.policy.detect_timeout_s * self.scale) + snapshot.REJOIN_GRACE_S
+
+    def on_rejoin(self, chan: Any, msg: dict[str, Any]) -> str | None:
+        """A worker of the dead coordinator's; its node, or None if not taken back (one this
+        coordinator counts lost, or whose node is connected already)."""
+        node = msg.get("node")
+        w = self.workers.get(node) if isinstance(node, str) else None
+        rejoin = msg["rejoin"]
+        if w is None or not w.alive or w.chan is not None or not isinstance(rejoin, dict):
+            return None
+        w.chan = chan
+        w.joined = True
+        w.last_seen = time.monotonic()
+        w.committed = int(rejoin.get("committed") or 0)
+        self.gen = max(self.gen, int(rejoin.get("gen", -1)))
+        if not rejoin.get("in_gen"):
+            self.pending_acks.discard(node)
+        self.dirty = True
+        return node

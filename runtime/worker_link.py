@@ -1,0 +1,129 @@
+"""A worker's control connection, kept across its coordinator's restarts.
+
+The coordinator may die and a successor take its place at the same address (runtime/
+supervisor.py keeps the port). When the connection closes, the worker goes on training and
+tries to rejoin: it answers the successor's challenge with a hello that carries `rejoin`
+(where it stands: generation, committed step, whether it is still in a generation), and the
+welcome tells it the step the successor has committed. The worker then sends again the step
+reports the successor has not committed (the history is kept until a heartbeat says they are
+committed), then what it could not send meanwhile, then leaves its generation: the successor
+forms the next one. A worker that finds no coordinator within `silence_s` of the last message
+it heard, or is refused, gives up (exit 3): no worker outlives its job.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+from runtime.protocol import COORDINATOR_SILENCE_S, Channel, ProtocolError, env_secret, hello_mac, parse_address
+
+RETRY_S = 0.05  # between attempts to reach a successor
+
+
+class Refused(Exception):
+    """The coordinator answered, but does not admit this worker (its reason)."""
+
+
+def handshake(address: str, hello: dict[str, Any], timeout: float) -> tuple[Channel, dict[str, Any]]:
+    """Connect to the coordinator at `address`, answer its challenge with `hello` and the job's
+    secret (KEEL_JOB_SECRET); its welcome. Raises Refused, ProtocolError or OSError."""
+    host, port = parse_address(address)
+    sock = socket.create_connection((host, port), timeout=timeout)
+    chan = Channel(sock)
+    try:
+        challenge = chan.recv()
+        if challenge is None or challenge.get("type") != "challenge":
+            raise ProtocolError(f"no challenge from the coordinator at {address} (got {challenge!r})")
+        chan.send({**hello, "type": "hello", "pid": os.getpid(), "host": socket.gethostname(),
+                   "mac": hello_mac(env_secret() or "", str(challenge.get("nonce")))})
+        welcome = chan.recv()
+    except BaseException:
+        chan.close()
+        raise
+    if welcome is None or welcome.get("type") != "welcome":
+        chan.close()
+        raise Refused((welcome or {}).get("reason", "the connection closed"))
+    sock.settimeout(float(welcome.get("silence_s") or COORDINATOR_SILENCE_S))  # silent that long: gone
+    return chan, welcome
+
+
+class CoordinatorLink:
+    """What the worker sends and reads through, whichever coordinator is there. `send` never
+    fails: while no coordinator is connected, messages (not heartbeats) wait and go to the
+    next one; step reports are also kept until a heartbeat says they are committed."""
+
+    def __init__(self, address: str, chan: Channel, silence_s: float):
+        self.address = address
+        self.chan = chan
+        self.silence_s = silence_s
+        self.connected = True
+        self.last_heard = time.monotonic()
+        self.pending: list[dict[str, Any]] = []
+        self.reports: dict[int, dict[str, Any]] = {}  # step -> report, not yet known to be committed
+        self._lock = threading.Lock()
+
+    def send(self, msg: dict[str, Any]) -> bool:
+        with self._lock:
+            if msg.get("type") == "step":
+                self.reports[int(msg["step"])] = msg
+            if self.connected and self.chan.send(msg):
+                return True
+            self.connected = False
+            if msg.get("type") not in ("hb", "step"):  # reports go again from `reports`
+                self.pending.append(msg)
+            return True
+
+    def recv(self) -> dict[str, Any] | None:
+        """The next message from the coordinator; None when it is gone (closed, or silent
+        for `silence_s`). Heartbeats carrying `committed` prune the report history."""
+        try:
+            msg = self.chan.recv()
+        except ProtocolError:
+            msg = None
+        if msg is None:
+            with self._lock:
+                self.connected = False
+            return None
+        self.last_heard = time.monotonic()
+        if msg.get("type") == "hb" and isinstance(msg.get("committed"), int):
+            with self._lock:
+                for k in [k for k in self.reports if k <= msg["committed"]]:
+                    del self.reports[k]
+        return msg
+
+    def rejoin(self, hello: Callable[[], dict[str, Any]], stopping: Callable[[], bool]) -> dict[str, Any] | None:
+        """Reach a successor at the same address before `silence_s` since the last message
+        heard; its welcome, or None (gone for good, or refused). The reports it has not
+        committed and the messages that waited are sent to it, in order, before anything else."""
+        while not stopping():
+            left = self.last_heard + self.silence_s - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                chan, welcome = handshake(self.address, hello(), min(left, 5.0))
+            except Refused as e:
+                print(f"worker: the coordinator at {self.address} refused to take this worker back: {e}", flush=True)
+                return None
+            except (OSError, ProtocolError):
+                time.sleep(RETRY_S)
+                continue
+            with self._lock:
+                old, self.chan = self.chan, chan
+                old.close()
+                committed = int(welcome.get("committed", 0))
+                for k in sorted(self.reports):
+                    if k > committed:
+                        chan.send({**self.reports[k], "resent": True})
+                for msg in self.pending:
+                    chan.send(msg)
+                self.pending = []
+                self.connected = True
+                self.last_heard = time.monotonic()
+            return welcome
+        return None
+
+    def close(self) -> None:
+        self.chan.close()
