@@ -13,7 +13,8 @@ on the same inputs and checks they decide the same.
   predicted delay per slot: one inequality in the form each side has; `probe_recovered`).
 - `state_source_region`: where the state comes from for members that are behind (a spare
   taking over, a node coming back).
-- `resolve_schedule`: each scheduled fault with its class's parameters filled in.
+- `resolve_schedule`: each scheduled fault with its class's parameters filled in (and a
+  coordinator_loss's target, "coordinator", where the entry leaves it out).
 """
 from __future__ import annotations
 
@@ -21,11 +22,16 @@ import heapq
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
+COORDINATOR = "coordinator"  # the target of every coordinator_loss: there is one coordinator per job
+
 ABSORB_ACTION = {
     "hardware_fault": "replicate_resume",
     "network_jitter": "backpressure_reslot",
     "partial_cluster_loss": "shard_reweight_failover",
     "data_shard_skew": "quarantine_resample",
+    # the supervisor starts a successor; the workers train on, rejoin it, and it aborts the
+    # current generation and forms the next (same slot map, no one lost)
+    "coordinator_loss": "coordinator_failover",
 }
 RESTART_ACTION = "checkpoint_restart"
 # network_jitter under checkpoint_restart: nothing moves, the run sits the spike out
@@ -229,7 +235,8 @@ def resolve_schedule(scenario: Any) -> list[ResolvedFault]:
             kw["nodes"] = e.nodes if e.nodes is not None else f.partial_cluster_loss.nodes
         elif e.class_ == "data_shard_skew":
             kw["shard"] = int(e.target.split("/")[1])
-        out.append(ResolvedFault(i, e.at_step, e.class_, e.target, **kw))
+        target = COORDINATOR if e.class_ == "coordinator_loss" else e.target
+        out.append(ResolvedFault(i, e.at_step, e.class_, target, **kw))
     return out
 
 

@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from keel.errors import InputError, read_input
+from keel.recovery import COORDINATOR
 
-FAULT_CLASSES = ("hardware_fault", "network_jitter", "partial_cluster_loss", "data_shard_skew")
+FAULT_CLASSES = ("hardware_fault", "network_jitter", "partial_cluster_loss", "data_shard_skew",
+                 "coordinator_loss")
 # Bounds a scenario's values must keep, so that no figure is too large or too small for the
 # twin's and the runtime's arithmetic (and no check of the scenario itself runs for ever):
 INT_LIMIT = 2 ** 63 - 1          # any integer key (64 bits)
@@ -147,10 +149,17 @@ class DataShardSkew:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CoordinatorLoss:
+    per_day: float = _doc("deaths of the coordinator process per day (one per job; its supervisor "
+                          "starts a successor); 0 = off", 0.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduledFault:
     at_step: int = _doc("the fault strikes once this many steps are committed")
     class_: str = _doc("fault class: " + ", ".join(FAULT_CLASSES))
-    target: str = _doc("region/i for a node, a region name, or shard/N")
+    target: str | None = _doc("region/i for a node, a region name, shard/N, or 'coordinator' "
+                              "(coordinator_loss, the only class that may leave it out)", None)
     spike_ms: float | None = _doc("network_jitter: overrides faults.network_jitter.spike_ms", None)
     duration_s: float | None = _doc("network_jitter: overrides faults.network_jitter.duration_s", None)
     nodes: int | None = _doc("partial_cluster_loss: overrides faults.partial_cluster_loss.nodes", None)
@@ -162,6 +171,7 @@ class Faults:
     network_jitter: NetworkJitter = _doc("latency spikes", default_factory=NetworkJitter)
     partial_cluster_loss: PartialClusterLoss = _doc("several nodes of one region die at once", default_factory=PartialClusterLoss)
     data_shard_skew: DataShardSkew = _doc("a data shard starts yielding NaN", default_factory=DataShardSkew)
+    coordinator_loss: CoordinatorLoss = _doc("the coordinator process dies", default_factory=CoordinatorLoss)
     schedule: tuple[ScheduledFault, ...] = _doc("deterministic injections, in both tools", ())
 
 
@@ -173,6 +183,8 @@ class Policy:
     hot_spares: int = _doc("idle nodes kept ready to take over slots", 0)
     restart_s: float = _doc("checkpoint_restart: relaunch and rendezvous time, s", 120.0)
     replace_node_s: float = _doc("checkpoint_restart: time to get a replacement node when no spare is left, s", 600.0)
+    coordinator_restart_s: float = _doc("from a coordinator's death until its successor has loaded the state and "
+                                        "every worker has rejoined it (the next generation is announced), s", 1.0)
     straggler_factor: float = _doc("a worker slower than this times the median is a straggler", 1.5)
     straggler_window: int = _doc("consecutive slow steps before a straggler's slots move", 3)
     quarantine: bool = _doc("quarantine a shard that yields non-finite values and replace its "
@@ -561,10 +573,11 @@ def _check(s: Scenario) -> None:
     positive(f.partial_cluster_loss.nodes, "faults.partial_cluster_loss.nodes")
     positive(f.partial_cluster_loss.repair_hours, "faults.partial_cluster_loss.repair_hours")
     positive(f.data_shard_skew.per_day, "faults.data_shard_skew.per_day", True)
+    positive(f.coordinator_loss.per_day, "faults.coordinator_loss.per_day", True)
     rates = {"faults.hardware_fault.mtbf_node_hours": s.total_nodes / (f.hardware_fault.mtbf_node_hours * 3600.0)
              if f.hardware_fault.mtbf_node_hours else 0.0,
              **{f"faults.{c}.per_day": getattr(f, c).per_day / 86400.0
-                for c in ("network_jitter", "partial_cluster_loss", "data_shard_skew")}}
+                for c in ("network_jitter", "partial_cluster_loss", "data_shard_skew", "coordinator_loss")}}
     if sum(rates.values()) > MAX_FAULTS_PER_S:
         worst = max(rates, key=rates.get)
         fail(worst, f"expected drawn faults at most {MAX_FAULTS_PER_S:g} a second over the whole cluster on "
@@ -580,6 +593,11 @@ def _check(s: Scenario) -> None:
             hint = f"; did you mean '{close[0]}'?" if close else ""
             fail(f"{key}.class", f"expected one of {', '.join(FAULT_CLASSES)}, got {e.class_!r}{hint}")
         t = e.target
+        if e.class_ == "coordinator_loss":
+            if t not in (None, COORDINATOR):
+                fail(f"{key}.target", f"expected {COORDINATOR!r} (or no target) for a coordinator_loss, got {t!r}")
+        elif t is None:
+            fail(f"{key}.target", f"missing; a {e.class_} needs one ({_TARGETS[e.class_]})")
         if e.class_ == "hardware_fault" and t not in nodes:
             fail(f"{key}.target", f"expected a node 'region/i' of this cluster (e.g. {s.node_names[0]!r}), got {t!r}")
         if e.class_ == "partial_cluster_loss" and t not in seen:
@@ -614,6 +632,7 @@ def _check(s: Scenario) -> None:
         fail("policy.hot_spares", f"expected fewer than the cluster's {s.total_nodes} nodes, got {p.hot_spares}")
     positive(p.restart_s, "policy.restart_s", True)
     positive(p.replace_node_s, "policy.replace_node_s", True)
+    positive(p.coordinator_restart_s, "policy.coordinator_restart_s")
     if p.straggler_factor <= 1.0:
         fail("policy.straggler_factor", f"expected a factor above 1.0, got {p.straggler_factor}")
     positive(p.straggler_window, "policy.straggler_window")
@@ -635,6 +654,10 @@ def _check(s: Scenario) -> None:
     positive(s.emulation.time_scale, "emulation.time_scale")
     if not 0.0 <= s.emulation.max_overrun_fraction <= 1.0:
         fail("emulation.max_overrun_fraction", f"expected a fraction in [0, 1], got {s.emulation.max_overrun_fraction!r}")
+
+
+_TARGETS = {"hardware_fault": "a node 'region/i'", "partial_cluster_loss": "a region name",
+            "network_jitter": "a region name or a node 'region/i'", "data_shard_skew": "'shard/N'"}
 
 
 def _reachable(s: Scenario, start: str) -> set[str]:

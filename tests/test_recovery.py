@@ -25,6 +25,10 @@ def holders(*specs):
     ("network_jitter", "checkpoint_restart", True, "endure"),
     ("data_shard_skew", "checkpoint_restart", True, "checkpoint_restart"),
     ("data_shard_skew", "checkpoint_restart", False, "fail_run"),
+    ("coordinator_loss", "absorb", True, "coordinator_failover"),
+    ("coordinator_loss", "absorb", False, "coordinator_failover"),
+    ("coordinator_loss", "checkpoint_restart", True, "checkpoint_restart"),
+    ("coordinator_loss", "checkpoint_restart", False, "checkpoint_restart"),
 ])
 def test_action_for_every_class_and_policy(cls, kind, quarantine, action):
     assert R.action_for(cls, kind, quarantine) == action
@@ -105,3 +109,12 @@ def test_resolve_schedule_fills_in_the_class_parameters():
     got = {r.cls: r for r in R.resolve_schedule(from_dict(raw))}
     assert got["network_jitter"].duration_s == 9.0 and got["partial_cluster_loss"].nodes == 1  # the class's
     assert R.rack_victims(["a/0", "a/2", "a/3"], 2) == ["a/0", "a/2"]
+
+
+def test_resolve_schedule_gives_a_coordinator_loss_its_one_target():
+    sc = load(SCENARIOS / "local-8.toml", ['faults.schedule.0.class="coordinator_loss"',
+                                           'faults.schedule.0.target="coordinator"'])
+    raw = sc.plain()
+    raw["faults"]["schedule"].append({"at_step": 9, "class": "coordinator_loss"})  # no target: the same
+    got = [r for r in R.resolve_schedule(from_dict(raw)) if r.cls == "coordinator_loss"]
+    assert [(r.index, r.target, r.params()) for r in got] == [(0, "coordinator", {}), (4, "coordinator", {})]

@@ -33,7 +33,24 @@ def test_example_scenarios_load():
     assert len(hw) == 1 and hw[0].at_step < 20
     local = S.load(SCENARIOS / "local-8.toml")
     assert local.total_nodes == 8 and local.policy.hot_spares == 1
-    assert {e.class_ for e in local.faults.schedule} == set(S.FAULT_CLASSES)
+    assert {e.class_ for e in local.faults.schedule} >= set(S.FAULT_CLASSES) - {"coordinator_loss"}
+
+
+def test_coordinator_loss_in_the_schema():
+    """A fifth fault class: drawn at faults.coordinator_loss.per_day (default off), scheduled with
+    no target or target "coordinator", its successor's time in policy.coordinator_restart_s."""
+    s = S.loads(MINIMAL)
+    assert s.faults.coordinator_loss.per_day == 0.0 and s.policy.coordinator_restart_s == 1.0
+    text = MINIMAL + ('[faults.coordinator_loss]\nper_day = 2.5\n[policy]\ncoordinator_restart_s = 4.0\n'
+                      '[[faults.schedule]]\nat_step = 1\nclass = "coordinator_loss"\n'
+                      '[[faults.schedule]]\nat_step = 2\nclass = "coordinator_loss"\ntarget = "coordinator"\n')
+    s = S.loads(text)
+    assert s.faults.coordinator_loss.per_day == 2.5 and s.policy.coordinator_restart_s == 4.0
+    assert [(e.class_, e.target) for e in s.faults.schedule] == [("coordinator_loss", None),
+                                                                 ("coordinator_loss", "coordinator")]
+    assert S.loads(S.dumps(s)).config_hash() == s.config_hash() == S.from_dict(s.plain()).config_hash()
+    keys = {key for key, _, _ in S.describe_schema()}
+    assert {"faults.coordinator_loss.per_day", "policy.coordinator_restart_s"} <= keys
 
 
 def test_defaults_fill_everything_but_regions():
@@ -91,6 +108,16 @@ def test_dump_and_dict_round_trip():
     (MINIMAL + '[[faults.schedule]]\nat_step = 1\nclass = "partial_cluster_loss"\ntarget = "a"\nnodes = 3\n', [],
      "region 'a' has 2 nodes, cannot lose 3"),
     ("[run]\nsteps = 3\n", [], "key 'regions': missing"),
+    (MINIMAL + '[[faults.schedule]]\nat_step = 1\nclass = "coordinator_loss"\ntarget = "a/0"\n', [],
+     "key 'faults.schedule.0.target': expected 'coordinator' (or no target) for a coordinator_loss, got 'a/0'"),
+    (MINIMAL + '[[faults.schedule]]\nat_step = 1\nclass = "hardware_fault"\n', [],
+     "key 'faults.schedule.0.target': missing; a hardware_fault needs one (a node 'region/i')"),
+    (MINIMAL + '[[faults.schedule]]\nat_step = 1\nclass = "coordinator_los"\n', [],
+     "did you mean 'coordinator_loss'?"),
+    (MINIMAL, ["faults.coordinator_loss.per_day=-1"], "key 'faults.coordinator_loss.per_day': expected a non-negative"),
+    (MINIMAL, ["faults.coordinator_loss.per_day=1e6"], "key 'faults.coordinator_loss.per_day': expected drawn faults at most 1"),
+    (MINIMAL, ["faults.coordinator_loss.nodes=2"], "key 'faults.coordinator_loss.nodes': unknown key"),
+    (MINIMAL, ["policy.coordinator_restart_s=0"], "key 'policy.coordinator_restart_s': expected a positive value (seconds), got 0"),
 ])
 def test_errors_name_file_and_key(text, overrides, expected):
     with pytest.raises(S.ScenarioError) as err:
