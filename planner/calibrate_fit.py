@@ -12,18 +12,26 @@ interrupted step. So per episode, pause = recover_end - reslot - the copy (the r
 `state_s`) - the redone step (the mean step of the generation that redid it):
 - `reform_s`: the pause of a rack loss that no spare absorbs (the survivors re-form);
 - `spare_takeover_s`: a killed node's pause (a spare takes its slots) minus that.
+A coordinator loss is timed by the runtime itself: its `recover_end` (under absorb) carries
+`ack_s`, from the coordinator's death to the next generation announced (detection by the
+supervisor, the successor's start, its state loaded, every worker rejoined), which is the
+twin's `coordinator_restart_s` as it is:
+- `coordinator_restart_s`: ack_s of each coordinator_loss episode.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
 from keel.calibration import MEASURED, entry, unit
+from keel.recovery import ABSORB_ACTION
 from keel.metrics import fault_episodes, mean_step_s_after_warmup
 
 RUN_KEYS = tuple(MEASURED)
 HOW = {
     "reform_s": "rack loss, no spare left: recover_end - reslot - state copy - the redone step, emulated runs",
     "spare_takeover_s": "killed node, a spare takes over: the same pause minus the rack loss's, emulated runs",
+    "coordinator_restart_s": "coordinator killed: recover_end.detail.ack_s (death to the next generation "
+                             "announced), emulated runs",
 }
 
 
@@ -59,6 +67,17 @@ def pauses(events: Sequence[Any]) -> dict[str, float]:
     return out
 
 
+def coordinator_acks(events: Sequence[Any]) -> list[float]:
+    """`ack_s` of every coordinator_loss episode the runtime absorbed (its recover_end's)."""
+    out = []
+    for ep in fault_episodes(events):
+        end = ep["first_of"].get("recover_end")
+        if (ep["class"] == "coordinator_loss" and ep["action"] == ABSORB_ACTION["coordinator_loss"]
+                and end is not None and "ack_s" in end.detail):
+            out.append(float(end.detail["ack_s"]))
+    return out
+
+
 def run_samples(events: Sequence[Any]) -> dict[str, list[float]]:
     """What one calibration run's log says (RUN_KEYS)."""
     p = pauses(events)
@@ -67,6 +86,7 @@ def run_samples(events: Sequence[Any]) -> dict[str, list[float]]:
         out["reform_s"].append(max(0.0, p["rack"]))
         if "kill" in p:
             out["spare_takeover_s"].append(max(0.0, p["kill"] - p["rack"]))
+    out["coordinator_restart_s"] += coordinator_acks(events)
     return out
 
 

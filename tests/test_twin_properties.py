@@ -26,11 +26,12 @@ def scenarios(draw):
     kind = draw(st.sampled_from(["absorb", "checkpoint_restart"]))
     schedule = []
     for _ in range(draw(st.integers(0, 3))):
-        cls = draw(st.sampled_from(["hardware_fault", "network_jitter", "partial_cluster_loss", "data_shard_skew"]))
+        cls = draw(st.sampled_from(["hardware_fault", "network_jitter", "partial_cluster_loss", "data_shard_skew",
+                                    "coordinator_loss"]))
         region = draw(st.sampled_from(regions))
         target = {"hardware_fault": f"{region['name']}/{draw(st.integers(0, region['nodes'] - 1))}",
                   "network_jitter": f"{region['name']}/0", "partial_cluster_loss": region["name"],
-                  "data_shard_skew": f"shard/{draw(st.integers(0, 15))}"}[cls]
+                  "data_shard_skew": f"shard/{draw(st.integers(0, 15))}", "coordinator_loss": "coordinator"}[cls]
         entry = {"at_step": draw(st.integers(0, steps - 1)), "class": cls, "target": target}
         if cls == "network_jitter":
             entry.update(spike_ms=draw(st.sampled_from([50.0, 3000.0])), duration_s=draw(st.sampled_from([5.0, 200.0])))
@@ -51,10 +52,12 @@ def scenarios(draw):
                                       "spike_ms": 2000.0},
                    "partial_cluster_loss": {"per_day": draw(st.sampled_from([0.0, 50.0])), "nodes": 2},
                    "data_shard_skew": {"per_day": draw(st.sampled_from([0.0, 100.0]))},
+                   "coordinator_loss": {"per_day": draw(st.sampled_from([0.0, 200.0]))},
                    "schedule": schedule},
         "policy": {"kind": kind, "hot_spares": draw(st.integers(0, nodes - 1)), "restart_s": 20.0,
                    "replace_node_s": draw(st.sampled_from([0.0, 60.0])),
-                   "quarantine": draw(st.booleans())},
+                   "quarantine": draw(st.booleans()),
+                   "coordinator_restart_s": draw(st.sampled_from([0.5, 30.0]))},
     }
     return from_dict(raw, "prop"), draw(st.integers(0, 2**31))
 
@@ -84,5 +87,8 @@ def test_any_scenario_gives_a_consistent_log(case):
         assert not s["completed"]  # a bad shard without quarantine stops the run (FAIL_ACTION)
     ids = [e.fault_id for e in events if e.kind == "fault"]
     assert ids == list(range(len(ids)))
+    if s["completed"]:  # a coordinator's successor always comes, and its episode ends
+        lost = {e.fault_id for e in events if e.kind == "fault" and e.fault == "coordinator_loss"}
+        assert lost <= {e.fault_id for e in events if e.kind == "recover_end"}
     again = twin.simulate(scenario, seed=seed)
     assert [e.to_json() for e in again.events] == [e.to_json() for e in events]

@@ -7,6 +7,10 @@ twin/stragglers.py's; which action a fault gets is keel.recovery.action_for's.
 - Scheduled faults (keel.recovery.resolve_schedule): fired as step at_step + 1 starts.
 - `strike_*`: log the `fault`, change the cluster, start the follow-up processes and tell the
   trainer (a `Cause`).
+- `coordinator_loss` (`strike_coordinator`): its supervisor, the dead process's parent, sees
+  the exit at once (`detect` at the fault, detect_s 0), and the successor is up, its state
+  loaded and every worker rejoined, `coordinator_restart_s` later (a `coordinator_up` cause).
+  What the trainer does meanwhile and after is twin/model.py's (`Simulation.coordinator_down`).
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ DAY = 86400.0
 class Cause:
     """Something the trainer must react to. `interrupts_run`: it changes the steps in flight;
     `aborts_pause`: it breaks a recovery, restart or checkpoint pause too."""
-    kind: str               # loss | detected | spike_start | spike_end | nan | rejoin
+    kind: str               # loss | detected | spike_start | spike_end | nan | rejoin | coordinator_(down|up)
     fault_id: int | None = None
     interrupts_run: bool = False
     aborts_pause: bool = False
@@ -48,14 +52,15 @@ class Faults:
     """The faults of one run: their ids and what each was, the schedule, and the processes."""
 
     def __init__(self, sim: Simulation, rng_detect: np.random.Generator, rng_hardware: np.random.Generator,
-                 rng_jitter: np.random.Generator, rng_rack: np.random.Generator, rng_skew: np.random.Generator):
+                 rng_jitter: np.random.Generator, rng_rack: np.random.Generator, rng_skew: np.random.Generator,
+                 rng_coordinator: np.random.Generator):
         self.sim = sim
         self.env = sim.env
         self.scenario = sim.scenario
         self.params = sim.params
         self.cluster = sim.cluster
         self.rng_detect, self.rng_hardware, self.rng_jitter = rng_detect, rng_hardware, rng_jitter
-        self.rng_rack, self.rng_skew = rng_rack, rng_skew
+        self.rng_rack, self.rng_skew, self.rng_coordinator = rng_rack, rng_skew, rng_coordinator
         self.fault_seq = 0
         self.info: dict[int, FaultInfo] = {}
         self.schedule = R.resolve_schedule(self.scenario)
@@ -75,6 +80,8 @@ class Faults:
             self.env.process(self._rack_arrivals())
         if faults.data_shard_skew.per_day > 0:
             self.env.process(self._skew_arrivals())
+        if faults.coordinator_loss.per_day > 0:
+            self.env.process(self._coordinator_arrivals())
 
     # ------------------------------------------------------------------ the schedule
     def fire_scheduled_at(self, committed: int) -> None:
@@ -99,6 +106,8 @@ class Faults:
             self.strike_nodes("partial_cluster_loss", entry.target, R.rack_victims(live, entry.nodes), True)
         elif entry.cls == "network_jitter":
             self.strike_spike(entry.target, entry.spike_ms / 1e3, entry.duration_s, True)
+        elif entry.cls == "coordinator_loss":
+            self.strike_coordinator(True)
         elif not R.shard_skipped(self.scenario.policy.quarantine, self.sim.quarantined, entry.target):
             self.strike_shard(entry.target, True)
 
@@ -156,6 +165,16 @@ class Faults:
         self.sim.emit_episode("fault", fid, scheduled=scheduled)
         self.sim.notify(Cause("nan", fid, interrupts_run=True))
 
+    def strike_coordinator(self, scheduled: bool) -> None:
+        """The coordinator process dies (a scheduled one is killed: mode "kill"; a drawn one
+        dies of something else: "external"). Its supervisor sees the exit at once."""
+        fid = self._new_fault(FaultInfo("coordinator_loss", R.COORDINATOR, self._action("coordinator_loss")))
+        self.sim.emit_episode("fault", fid, scheduled=scheduled, mode="kill" if scheduled else "external")
+        self.sim.emit_episode("detect", fid, detect_s=0.0)
+        self.sim.emit_episode("recover_start", fid)
+        self.sim.coordinator_down(fid)
+        self.env.process(self._successor(fid, self.params.coordinator_restart_s))
+
     # ------------------------------------------------------------------ drawn arrivals
     def _hardware_arrivals(self) -> Generator:
         order = self.cluster.order
@@ -201,6 +220,12 @@ class Faults:
             if not R.shard_skipped(self.scenario.policy.quarantine, self.sim.quarantined, shard):
                 self.strike_shard(shard, False)
 
+    def _coordinator_arrivals(self) -> Generator:
+        rng = self.rng_coordinator
+        while True:
+            yield self.env.timeout(rng.exponential(DAY / self.scenario.faults.coordinator_loss.per_day))
+            self.strike_coordinator(False)
+
     # ------------------------------------------------------------------ after a fault
     def _detect_delay(self, mean: float) -> float:
         spread = min(self.params.heartbeat_s, 2 * mean)
@@ -210,6 +235,10 @@ class Faults:
         yield self.env.timeout(delay)
         self.sim.emit_episode("detect", fid, after_s=round(delay, 6))
         self.sim.notify(Cause("detected", fid))
+
+    def _successor(self, fid: int, after_s: float) -> Generator:
+        yield self.env.timeout(after_s)
+        self.sim.notify(Cause("coordinator_up", fid, interrupts_run=True))
 
     def _repair(self, node: Node, incarnation: int, after_s: float) -> Generator:
         yield self.env.timeout(after_s)

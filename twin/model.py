@@ -49,6 +49,23 @@ Semantics (docs/design.md for step numbering and fault ids):
   policy.quarantine the shard is quarantined; absorb redoes the step, checkpoint_restart rolls
   back to the last checkpoint (a restart). A drawn NaN on a quarantined shard is skipped.
   Without policy.quarantine the run stops there, failed (`run_end` completed = false).
+- `coordinator_loss`: the coordinator process dies; its supervisor sees the exit at once
+  (`fault`, `detect` with detect_s 0 and `recover_start` at one instant) and its successor
+  has loaded the state and has every worker back `coordinator_restart_s` later (twin/params.py).
+  Under absorb the workers train on meanwhile and nothing of that is lost: the twin modelled
+  it as a re-form with no node lost. The trainer runs on, but commits are held (no `step`
+  event) until the successor is up; then the steps done meanwhile are committed at once (one
+  `step` event), its abort lands (the step in flight is lost: its partial work, nothing
+  else), the job pauses for reform_s (the new process group; no slot moves, no state is
+  copied) and redoes that step. The episode's `recover_end` comes just before the new
+  generation's first commit, with the runtime's detail: downtime_s (fault to then), detect_s
+  0, ack_s (death to the successor up), reform_s (ack_s + the pause), state_s 0, redo_s (the
+  redone step) and gen. Under checkpoint_restart the job stops at the death (what the
+  workers train meanwhile is thrown away by the relaunch; a checkpoint that an async write
+  finishes meanwhile still counts) and, once the successor is up, restarts as below. An
+  episode open when the coordinator dies goes on as modelled (its commits are held too, so
+  its downtime runs to the successor); a node fault during the outage too (simplified: in
+  the runtime nobody re-forms the group until the successor is up).
 - `checkpoint_restart`: any node fault or NaN stops the job: a `restart` at detection, the
   dead nodes replaced by hot spares (else by a new node, + replace_node_s), a pause of
   restart_s + checkpoint load (per-node share / read bandwidth), and the steps since the last
@@ -130,7 +147,8 @@ class Simulation:
         self.seed = seed
         self.topology = topology or Topology(scenario)
         self.absorb = scenario.policy.kind == "absorb"
-        streams = np.random.SeedSequence(seed).spawn(6)
+        # one stream per use; a new one goes last, so the others' draws stay as they were
+        streams = np.random.SeedSequence(seed).spawn(7)
         rng_steps, *fault_rngs = (np.random.Generator(np.random.PCG64(s)) for s in streams)
         self.step_noise = NormalPool(rng_steps)
         self.env = simpy.Environment()
@@ -148,6 +166,7 @@ class Simulation:
         self.carry_s: float | None = None
         self.carry_elapsed_s = 0.0   # how far the interrupted step had got
         self.gen_start = 0           # committed steps when the current generation started
+        self.gen = 0                 # generations formed after the first (re-forms, restarts, re-slots)
         self.last_step_event_t = -1.0
         self.pending_first_since: float | None = None
         self.queue: deque[Cause] = deque()
@@ -160,6 +179,14 @@ class Simulation:
         self.nan_pending: list[int] = []
         self.rejoined = False
         self.quarantined: set[str] = set()
+        # coordinator_loss: fault id -> when the coordinator died, until its successor is up
+        self.outages: dict[int, float] = {}
+        self.failovers: dict[int, tuple[float, float]] = {}  # fault id -> (died, successor up), absorb
+        self.hold_from: float | None = None            # absorb: commits after this wait for the successor
+        self.held = False                              # some commit was held since
+        self.committed_when_held = 0
+        # absorb: recover_end of failovers, written just before the next commit
+        self.pending_ends: list[tuple[int, float, float, dict[str, Any]]] = []  # (id, died, formed, detail)
         self.failure: str | None = None  # why the run stopped, failed (see keel.recovery.FAIL_ACTION)
         self.wall_limit_s = WALL_LIMIT_FACTOR * scenario.run.steps * self.healthy_step_s
         self.trainer = self.env.process(self._trainer())
@@ -175,12 +202,24 @@ class Simulation:
         seg = self.segment
         return self.committed + (seg.committed_by(self.env.now) if seg else 0)
 
-    def _emit_step(self, seg: Segment, index: int) -> None:
+    def _emit_step(self, seg: Segment, index: int) -> bool:
+        """Log the commit of the segment's step `index` (False: already logged, or held)."""
         t = seg.commit_time(index)
         if t <= self.last_step_event_t:
-            return
+            return False
+        if self.hold_from is not None and t > self.hold_from:
+            self.held = True
+            return False  # no coordinator to commit it: its successor does (_coordinator_up)
+        step = seg.first_step + index + 1
+        self._append_step(t, step, step - 1)
+        return True
+
+    def _append_step(self, t: float, step: int, before: int) -> None:
+        """A `step` event, after the recover_ends due before it (`before`: the steps committed
+        until then)."""
+        self._flush_ends(t, before)
         self.last_step_event_t = t
-        self.events.append(Event(round(t, 6), seg.first_step + index + 1, "step"))
+        self.events.append(Event(round(t, 6), step, "step"))
 
     def _sync(self, last_commit: bool = True) -> None:
         """Emit the step events an event at `now` needs before it: the first commit after the
@@ -192,8 +231,7 @@ class Simulation:
         done = seg.committed_by(now)
         if self.pending_first_since is not None:
             first = seg.first_after(self.pending_first_since)
-            if first < done:
-                self._emit_step(seg, first)
+            if first < done and self._emit_step(seg, first):
                 self.pending_first_since = None
         if last_commit and done > 0:
             self._emit_step(seg, done - 1)
@@ -260,7 +298,7 @@ class Simulation:
             if self.env.now > self.wall_limit_s:
                 completed = False
                 break
-            if self.undetected:
+            if self.undetected or (self.outages and not self.absorb):
                 yield from self.wait(None, "stalled")
             elif self.restart_for:
                 yield from self._restart()
@@ -273,7 +311,9 @@ class Simulation:
             elif (due := st.due()):
                 yield from st.straggler(due[0])
             elif self.committed >= s.run.steps:
-                break
+                if not self.outages:
+                    break
+                yield from self.wait(None, "stalled")  # the run is over once a coordinator says so
             elif self.rejoined:
                 yield from st.rebalance()
             elif self.checkpoints.due(self.committed):
@@ -301,6 +341,60 @@ class Simulation:
             self.nan_pending.append(fid)
         elif cause.kind == "rejoin":
             self.rejoined = True
+        elif cause.kind == "coordinator_down":
+            self.carry_s = None  # the job stops (checkpoint_restart)
+        elif cause.kind == "coordinator_up":
+            self._coordinator_up(fid)
+
+    # ------------------------------------------------------------------ coordinator loss
+    def coordinator_down(self, fid: int) -> None:
+        """The coordinator died (module docstring): under absorb commits are held from now on,
+        under checkpoint_restart the job stops."""
+        self.outages[fid] = self.env.now
+        if not self.absorb:
+            self.notify(Cause("coordinator_down", fid, interrupts_run=True, aborts_pause=True))
+        elif self.hold_from is None:
+            self.hold_from = self.env.now
+            self.committed_when_held = self.committed_now()
+
+    def _coordinator_up(self, fid: int) -> None:
+        """The successor is up: it commits what the workers did meanwhile and aborts the step in
+        flight; the job re-forms (absorb) or restarts from the last checkpoint."""
+        died = self.outages.pop(fid)
+        self.carry_s = None
+        if not self.absorb:
+            self.restart_for.append(fid)
+            return
+        self.failovers[fid] = (died, self.env.now)
+        if not self.outages:
+            if self.held:
+                self._append_step(self.env.now, self.committed, self.committed_when_held)
+            self.hold_from, self.held = None, False
+        self.awaiting_recovery.append(fid)
+        self.recovery_s = max(self.recovery_s, self.params.reform_s)
+
+    def _failover_done(self, fid: int) -> None:
+        """A failover's new generation is formed: its recover_end comes just before the next
+        commit (`_flush_ends`), or now if the run has no step left."""
+        now = self.env.now
+        died, up = self.failovers.pop(fid)
+        detail = {"detect_s": 0.0, "ack_s": round(up - died, 6), "reform_s": round(now - died, 6),
+                  "state_s": 0.0, "gen": self.gen}
+        self.pending_ends.append((fid, died, now, detail))
+        self.pending_first_since = now  # so that the next commit is logged
+        if self.committed >= self.scenario.run.steps:
+            self._flush_ends(now, self.committed)
+
+    def _flush_ends(self, t: float, step: int) -> None:
+        for fid, died, formed, detail in self.pending_ends:
+            info = self.faults.info[fid]
+            detail = {"fault_id": fid, "downtime_s": round(t - died, 6), **detail, "redo_s": round(t - formed, 6)}
+            self.events.append(Event(round(t, 6), step, "recover_end", info.fault, info.target, info.action, detail))
+        self.pending_ends.clear()
+
+    def new_generation(self) -> None:
+        self.gen_start = self.committed
+        self.gen += 1
 
     # ------------------------------------------------------------------ node loss: absorb or restart
     def _detected(self, fid: int) -> None:
@@ -333,10 +427,13 @@ class Simulation:
 
     def _recover(self) -> Generator:
         done = yield from self.wait(self.recovery_s, "paused")
-        self.gen_start = self.committed  # a new generation
+        self.new_generation()
         if done:
             for fid in self.awaiting_recovery:
-                self.emit_episode("recover_end", fid)
+                if self.faults.info[fid].fault == "coordinator_loss":
+                    self._failover_done(fid)
+                else:
+                    self.emit_episode("recover_end", fid)
             self.awaiting_recovery.clear()
             self.recovery_s = 0.0
 
@@ -365,7 +462,7 @@ class Simulation:
         load_s = self.cost.share_s(self.params.ckpt_read_gbyte_s) if ckpt.step > 0 else 0.0
         duration = self.params.restart_s + (self.params.replace_node_s if replaced else 0.0) + load_s
         done = yield from self.wait(duration, "paused")
-        self.gen_start = self.committed
+        self.new_generation()
         if done:
             episodes = sorted(set(self.restart_for) | set(self.awaiting_recovery))
             for f in episodes:

@@ -29,6 +29,10 @@ Calibrated primitives (name: what it is; where the scenario value comes from):
   ckpt_write_gbyte_s      per-node checkpoint write, GB/s (checkpoint.write_gbyte_s)
   ckpt_read_gbyte_s       per-node checkpoint read, GB/s (checkpoint.read_gbyte_s)
   restart_s               relaunch and rendezvous of the whole job, s (policy.restart_s)
+  coordinator_restart_s   from a coordinator's death until its successor is up, its state loaded
+                          and every worker rejoined (the next generation announced), s
+                          (policy.coordinator_restart_s; `keel calibrate` measures it: the median
+                          ack_s of coordinator_loss episodes)
   detect_at_commit_s      not calibrated: a scheduled crash strikes right after a commit, when the
                           node's last message (its step report) is fresh, so the whole
                           detect_timeout_s runs; None where
@@ -70,6 +74,7 @@ class TwinParams:
     ckpt_write_gbyte_s: float
     ckpt_read_gbyte_s: float
     restart_s: float
+    coordinator_restart_s: float
     detect_rack_s: float | None = None  # None: as detect_kill_s
     # not calibrated: taken from the scenario as they are
     detect_at_commit_s: float | None = None  # a crash right after a commit (scheduled faults); None: as detect_kill_s
@@ -103,6 +108,7 @@ class TwinParams:
             "ckpt_write_gbyte_s": c.write_gbyte_s,
             "ckpt_read_gbyte_s": c.read_gbyte_s,
             "restart_s": p.restart_s,
+            "coordinator_restart_s": p.coordinator_restart_s,
         }
         measured = medians(calibration, source) if calibration is not None else {}
         values.update(measured)

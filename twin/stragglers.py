@@ -146,7 +146,7 @@ class Stragglers:
         sim.emit_episode("reslot", fid, slots=sum(k for _, _, k in plan), to=[f"{n}:{k}" for n, k in receivers])
         takeover = self.params.spare_takeover_s if spares else 0.0
         yield from sim.wait(self.params.reform_s + takeover + self.cost.transfer_s(receivers), "paused")
-        sim.gen_start = sim.committed
+        sim.new_generation()
 
     def _plan_moves(self, movers: list[Node], spares: list[Node]) -> list[tuple[str, str, int]]:
         """(from, to, slots): keel.recovery.park_destinations."""
@@ -187,7 +187,7 @@ class Stragglers:
         homes = {frm for frm, _, _ in sp.moves}
         copy = [(n, c.slot_count if n in homes else k) for n, k in back]
         yield from sim.wait(self.params.reform_s + self.cost.transfer_s(copy), "paused")
-        sim.gen_start = sim.committed
+        sim.new_generation()
         sim.emit_episode("recover_end", fid)
 
     # ------------------------------------------------------------------ a spare rejoins
@@ -211,4 +211,4 @@ class Stragglers:
             return
         sim.emit("reslot", None, moved[0][0], None, reason="rejoin", to=[f"{n}:{k}" for n, k in moved])
         yield from sim.wait(self.params.reform_s + self.params.spare_takeover_s + self.cost.transfer_s(moved), "paused")
-        sim.gen_start = sim.committed
+        sim.new_generation()
