@@ -6,7 +6,7 @@ cluster compute, network, storage and detection take the scenario's times.
 The runs go through `runtime.api.run_scenario`, emulated at the scenario's `time_scale`, with a
 seed and a schedule of their own (never the schedule a validation then judges): a training
 node killed early (a hot spare takes over where the scenario has one), then the scenario's last
-region lost whole. The real work is the same whatever the schedule; its figure in emulated
+region lost whole, then the coordinator killed (its supervisor starts a successor). The real work is the same whatever the schedule; its figure in emulated
 seconds is real seconds / time_scale, so a calibration holds for the node count and time scale
 it was measured at (`reference`), and validate refuses one measured at another.
 """
@@ -27,7 +27,11 @@ from keel.calibration import FORMAT, FORMAT_VERSION, table, write  # noqa: F401 
 from keel.errors import RunFailed
 from planner.calibrate_fit import RUN_KEYS, fit_calibration, run_samples
 
-KILL_AT, RACK_AT, STEPS = 3, 7, 10  # the kill's episode is over (two commits after it) before the rack loss
+# The kill's episode is over (two commits after it) before the rack loss; the rack loss's
+# generation has three commits (its pace: calibrate_fit.generation_mean_step_s) before the
+# coordinator dies; the workers train on through that outage, and the run still has steps
+# left for the generation its successor forms.
+KILL_AT, RACK_AT, COORDINATOR_AT, STEPS = 3, 7, 10, 14
 
 
 def repetitions(quick: bool) -> int:
@@ -79,7 +83,8 @@ def calibration_scenario(base: S.Scenario) -> S.Scenario:
         "emulation.enabled": True, "checkpoint.interval_steps": 1000,
         "faults": {"schedule": [
             {"at_step": KILL_AT, "class": "hardware_fault", "target": trained[min(1, len(trained) - 1)]},
-            {"at_step": RACK_AT, "class": "partial_cluster_loss", "target": last.name, "nodes": last.nodes}]}})
+            {"at_step": RACK_AT, "class": "partial_cluster_loss", "target": last.name, "nodes": last.nodes},
+            {"at_step": COORDINATOR_AT, "class": "coordinator_loss"}]}})
 
 
 HOLDS_FOR = ("nodes", "time_scale")  # the keys of `reference` a calibration must match to be used
@@ -112,7 +117,8 @@ def measure(base: S.Scenario, work: Path, reps: int, say: Callable[[str], None],
     pooled: dict[str, list[float]] = {k: [] for k in RUN_KEYS}
     for rep in range(reps):
         say(f"emulated run {rep + 1}/{reps}: {sc.total_nodes} workers at time scale {sc.emulation.time_scale:g}, "
-            f"a node killed at step {KILL_AT}, {sc.regions[-1].name} lost at step {RACK_AT}")
+            f"a node killed at step {KILL_AT}, {sc.regions[-1].name} lost at step {RACK_AT}, "
+            f"the coordinator killed at step {COORDINATOR_AT}")
         for name, xs in run_samples(run_once(sc, work / f"run-{rep}", failures)).items():
             pooled[name] += xs
     return pooled

@@ -38,12 +38,15 @@ def test_calibrate_measures_the_real_recovery_work(calibration):
     path, printed = calibration
     cal = json.loads(path.read_text())
     assert cal == printed
-    assert set(cal["primitives"]) == {"reform_s", "spare_takeover_s"} and cal["missing"] == []
+    assert set(cal["primitives"]) == {"reform_s", "spare_takeover_s", "coordinator_restart_s"}
+    assert cal["missing"] == []
     for name, e in cal["primitives"].items():
         assert e["unit"] == "s" and len(e["samples"]) == cal["reference"]["runs"] == 2, name
         assert e["spread"][0] <= e["median"] <= e["spread"][1] and e["median"] >= 0, name
     # re-forming a group is real work: it takes time, and well under the heartbeat timeout
     assert 0 < cal["primitives"]["reform_s"]["median"] < 5.0
+    # a successor coordinator starts, loads the state and has every worker back: real work too
+    assert cal["primitives"]["coordinator_restart_s"]["median"] > 0
     from keel import scenario as S
     sc = S.load(EMULATED)
     assert cal["reference"]["nodes"] == sc.total_nodes and cal["reference"]["time_scale"] == sc.emulation.time_scale
@@ -52,7 +55,7 @@ def test_calibrate_measures_the_real_recovery_work(calibration):
     assert datetime.datetime.fromisoformat(cal["created"]).tzinfo is not None
     from twin.params import TwinParams, load_calibration
     params = TwinParams.from_scenario(sc, load_calibration(path))
-    assert params.calibrated == ("reform_s", "spare_takeover_s")
+    assert params.calibrated == ("coordinator_restart_s", "reform_s", "spare_takeover_s")
 
 
 @pytest.fixture(scope="module")
