@@ -51,6 +51,7 @@ def schedule_only(scenario: S.Scenario) -> S.Scenario:
         "faults.network_jitter.per_day": 0.0,
         "faults.partial_cluster_loss.per_day": 0.0,
         "faults.data_shard_skew.per_day": 0.0,
+        "faults.coordinator_loss.per_day": 0.0,
     })
 
 
@@ -76,13 +77,15 @@ def checkpoint_write_s(scenario: S.Scenario, calibration: Mapping[str, Any] | No
 
 def interruptions_per_s(scenario: S.Scenario) -> float:
     """Rate of faults that stop a checkpoint_restart job: a training node's hardware fault, a
-    rack loss, a NaN shard (a latency spike slows the job but does not stop it)."""
+    rack loss, a NaN shard, the coordinator's death (a latency spike slows the job but does not
+    stop it)."""
     f = scenario.faults
     rate_h = 0.0
     if f.hardware_fault.mtbf_node_hours > 0:
         rate_h += scenario.training_nodes / f.hardware_fault.mtbf_node_hours
     rate_h += f.partial_cluster_loss.per_day / 24.0
     rate_h += f.data_shard_skew.per_day / 24.0
+    rate_h += f.coordinator_loss.per_day / 24.0
     return rate_h / 3600.0
 
 

@@ -153,6 +153,7 @@ with edit_col:
         field("float", "faults.network_jitter.per_day", "network jitter: spikes per day", f.network_jitter.per_day)
         field("float", "faults.partial_cluster_loss.per_day", "partial cluster loss: events per day", f.partial_cluster_loss.per_day)
         field("float", "faults.data_shard_skew.per_day", "data shard skew: bad shards per day", f.data_shard_skew.per_day)
+        field("float", "faults.coordinator_loss.per_day", "coordinator loss: deaths per day", f.coordinator_loss.per_day)
     with st.expander("Policy"):
         p = base.policy
         field("select", "policy.kind", "policy", p.kind, options=["absorb", "checkpoint_restart"])
