@@ -123,6 +123,28 @@ def test_actions_for_jitter_under_restart_and_a_bad_shard_without_quarantine(tmp
     assert result.events[-1].step == max(e.step for e in observed_events if e.kind == "step") == 6
 
 
+@pytest.mark.timeout(180)
+def test_a_coordinator_loss_is_one_episode_of_the_same_shape_on_both_sides(tmp_path):
+    """Issue 13: the coordinator killed at a step, in the twin and in the runtime (whose
+    supervisor starts a successor): one episode, the same action and event kinds, a
+    recover_end with the same detail just before the next commit, and calibrate_fit reads
+    coordinator_restart_s (its ack_s) off either log."""
+    from planner.calibrate_fit import run_samples
+    from runtime_helpers import run, scenario
+    kw = dict(steps=60, interval=100, faults=[{"at_step": 6, "class": "coordinator_loss"}])
+    predicted = twin.simulate(scenario(**kw)).events
+    summary, observed = run(tmp_path, "run", **kw)
+    assert summary["restarts"] == 0
+    for events in (predicted, observed):
+        episode = [e for e in events if e.fault == "coordinator_loss"]
+        assert [e.kind for e in episode] == ["fault", "detect", "recover_start", "recover_end"]
+        assert {e.action for e in episode} == {"coordinator_failover"} and episode[0].detail["mode"] == "kill"
+        end = episode[-1]
+        assert {"downtime_s", "detect_s", "ack_s", "reform_s", "state_s", "redo_s", "gen"} <= set(end.detail)
+        assert events[events.index(end) + 1].kind == "step"
+        assert len(run_samples(events)["coordinator_restart_s"]) == 1
+
+
 def test_a_spare_gets_its_state_from_its_own_region_on_both_sides():
     """keel.recovery.state_source_region, as the runtime's coordinator applies it
     (GenerationsMixin._state_source: the sending rank) and as the twin prices the copy
