@@ -206,13 +206,17 @@ def verify_checkpoint(path: str | Path) -> list[str]:
     return []
 
 
-def find_latest(run_dir: str | Path, refused: list[tuple[Path, list[str]]] | None = None) -> Path | None:
-    """The newest checkpoint under `run_dir` that verifies. Refused ones are appended to
-    `refused` with their problems if it is given (the caller reports them), else logged."""
+def find_latest(run_dir: str | Path, refused: list[tuple[Path, list[str]]] | None = None,
+                at_most: int | None = None) -> Path | None:
+    """The newest checkpoint under `run_dir` that verifies (of a step <= `at_most`, if given).
+    Refused ones are appended to `refused` with their problems if it is given (the caller
+    reports them), else logged."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return None
     for p in sorted((p for p in run_dir.iterdir() if STEP_DIR.match(p.name)), key=lambda p: p.name, reverse=True):
+        if at_most is not None and int(p.name.split("-")[1]) > at_most:
+            continue
         problems = ([f"{p}: a symbolic link (a checkpoint in a run directory must be a directory of its own)"]
                     if p.is_symlink() else verify_checkpoint(p))
         if not problems:

@@ -36,6 +36,7 @@ from typing import Any
 SECRET_ENV = "KEEL_JOB_SECRET"
 MAX_LINE = 1 << 20       # bytes: the longest message a coordinator reads from a connection
 HELLO_TIMEOUT_S = 10.0   # wall seconds a new connection has to say an authentic hello
+HELLO_TIMEOUT_ENV = "KEEL_HELLO_TIMEOUT_S"  # overrides it (tests, operators)
 COORDINATOR_SILENCE_S = 30.0  # wall seconds a worker waits on a silent coordinator, then exits
 SILENCE_ENV = "KEEL_COORDINATOR_SILENCE_S"  # overrides it (tests, operators)
 
@@ -71,13 +72,22 @@ def check_worker_message(msg: dict[str, Any]) -> None:
             raise ProtocolError(f"a {kind!r} message whose {key!r} is {type(value).__name__}")
 
 
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, ""))
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
 def silence_s() -> float:
     """COORDINATOR_SILENCE_S, or the positive number of seconds in KEEL_COORDINATOR_SILENCE_S."""
-    try:
-        value = float(os.environ.get(SILENCE_ENV, ""))
-    except ValueError:
-        return COORDINATOR_SILENCE_S
-    return value if value > 0 else COORDINATOR_SILENCE_S
+    return _env_seconds(SILENCE_ENV, COORDINATOR_SILENCE_S)
+
+
+def hello_timeout_s() -> float:
+    """HELLO_TIMEOUT_S, or the positive number of seconds in KEEL_HELLO_TIMEOUT_S."""
+    return _env_seconds(HELLO_TIMEOUT_ENV, HELLO_TIMEOUT_S)
 
 
 def new_secret() -> str:

@@ -92,3 +92,18 @@ def run_and_kill_after_checkpoint(args: list[str], out: Path, ckpt_step: int, ti
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def bare_coordinator(scenario, out: Path, **kw):
+    """A Coordinator in this process, for tests that drive its methods: a link nobody serves
+    and a control port of its own, as a supervisor would hand them over (runtime/supervisor.py)."""
+    import socket
+    from runtime.coordinator import Coordinator
+    from runtime.protocol import Channel
+    os.environ.setdefault("KEEL_JOB_SECRET", "test")
+    ours, theirs = socket.socketpair()
+    listener = socket.create_server(("127.0.0.1", 0))
+    coord = Coordinator(scenario, out, link=Channel(theirs), endpoints={"listener_fd": listener.detach(), "store_port": 0},
+                        progress=False, **kw)
+    coord._test_link_peer = ours  # keep the other end open
+    return coord

@@ -74,19 +74,18 @@ def _attacks(port: int, node: str) -> list[tuple[str, str]]:
 
 def test_strangers_cannot_join_or_disturb_a_run(tmp_path, monkeypatch, record):
     from runtime.api import run_scenario
-    import runtime.coordinator.core as core
-    import runtime.coordinator.admission as admission
-    monkeypatch.setattr(admission, "HELLO_TIMEOUT_S", 1.0)
+    import runtime.supervisor as supervisor
+    monkeypatch.setenv("KEEL_HELLO_TIMEOUT_S", "1.0")  # the coordinator (a child process) reads it
     kw = dict(steps=60, hot_spares=1)
     alone, _ = run(tmp_path, "alone", **kw)
 
-    coords: list = []
-    real_init = core.Coordinator.__init__
+    sups: list = []
+    real_init = supervisor.Supervisor.__init__
 
-    def spy(self, *a, **k):  # the test needs the coordinator's port and secret
+    def spy(self, *a, **k):  # the test needs the job's port and secret
         real_init(self, *a, **k)
-        coords.append(self)
-    core.Coordinator.__init__ = spy
+        sups.append(self)
+    supervisor.Supervisor.__init__ = spy
     try:
         result: dict = {}
         out = tmp_path / "attacked"
@@ -94,9 +93,9 @@ def test_strangers_cannot_join_or_disturb_a_run(tmp_path, monkeypatch, record):
                                                                          hangs="")), daemon=True)
         t.start()
         deadline = time.monotonic() + 60
-        while not coords and time.monotonic() < deadline:
+        while not sups and time.monotonic() < deadline:
             time.sleep(0.01)
-        coord = coords[0]
+        coord = sups[0]
         # a silent connection, open through all the attacks: dropped, never admitted
         silent = socket.create_connection(("127.0.0.1", coord.port), timeout=10)
         answers = _attacks(coord.port, "a/0")
@@ -106,7 +105,7 @@ def test_strangers_cannot_join_or_disturb_a_run(tmp_path, monkeypatch, record):
         silent_dropped_mid_run = t.is_alive()
         t.join(180)
     finally:
-        core.Coordinator.__init__ = real_init
+        supervisor.Supervisor.__init__ = real_init
     assert not t.is_alive(), "the attacked run did not finish"
     attacked = result["s"]
 
@@ -149,6 +148,24 @@ def _listening(pids: set[int]) -> list[tuple[str, int]]:
     return out
 
 
+def _descendants(root: int) -> set[int]:
+    """`root` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        out.add(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
 def _address(hexaddr: str, width: int) -> str:
     raw = bytes.fromhex(hexaddr)
     if width == 8:
@@ -159,22 +176,22 @@ def _address(hexaddr: str, width: int) -> str:
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
 def test_a_running_job_listens_on_loopback_only(tmp_path, record):
-    """The coordinator, its rendezvous store and every worker's gloo listener."""
+    """keel run (the supervisor: control port, rendezvous store), its coordinator and every
+    worker's gloo listener, looked at mid-run with every group formed."""
+    import threading
+    import time
     from runtime.api import run_scenario
-    import runtime.coordinator.core as core
     seen: list[tuple[str, int]] = []
-    real_commit = core.Coordinator._commit
-
-    def spy(self, *a, **k):  # mid-run, with every group formed: look at what the job listens on
-        if self.committed == 5 and not seen:
-            pids = {os.getpid()} | {w.pid for w in self.workers.values() if w.pid}
-            seen.extend(_listening(pids))
-        return real_commit(self, *a, **k)
-    core.Coordinator._commit = spy
-    try:
-        run_scenario(scenario(steps=8), tmp_path / "run", progress=False, hangs="")
-    finally:
-        core.Coordinator._commit = real_commit
+    out = tmp_path / "run"
+    t = threading.Thread(target=run_scenario, args=(scenario(steps=60), out), kwargs={"progress": False, "hangs": ""},
+                         daemon=True)
+    t.start()
+    ev = out / "events.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (ev.exists() and ev.read_text().count('"kind":"step"') >= 5):
+        time.sleep(0.05)
+    seen.extend(_listening(_descendants(os.getpid())))
+    t.join(120)
     assert seen, "no listening socket found"
     exposed = [(a, p) for a, p in seen if a not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
     assert not exposed, f"listening beyond loopback: {exposed}"
@@ -182,25 +199,24 @@ def test_a_running_job_listens_on_loopback_only(tmp_path, record):
     record.note("listening sockets", len(seen))
 
 
-def test_listening_beyond_loopback_warns_and_names_what_is_exposed(tmp_path, capsys):
-    from runtime.coordinator import Coordinator
-    coord = Coordinator(scenario(steps=2), tmp_path / "run", spawn=False, progress=False,
-                        listen="0.0.0.0:0", secret="x")
+def test_listening_beyond_loopback_warns_and_names_what_is_exposed(tmp_path, capsys, monkeypatch):
+    from runtime.supervisor import Supervisor
+    monkeypatch.setenv("KEEL_JOB_SECRET", "x")
+    sup = Supervisor(scenario(steps=2), tmp_path / "run", spawn=False, listen="0.0.0.0:0")
     try:
         err = capsys.readouterr().err
         assert "listening beyond this machine on 0.0.0.0" in err
-        assert f"coordinator's port {coord.port}" in err and "rendezvous store" in err
+        assert f"coordinator's port {sup.port}" in err and "rendezvous store" in err
     finally:
-        coord.listener.close()
-        coord.log.close()
+        sup.listener.close()
 
 
 def test_a_coordinator_without_its_workers_needs_a_secret(tmp_path, monkeypatch):
     from keel.errors import InputError
-    from runtime.coordinator import Coordinator
+    from runtime.supervisor import Supervisor
     monkeypatch.delenv("KEEL_JOB_SECRET", raising=False)
     with pytest.raises(InputError, match="KEEL_JOB_SECRET: not set"):
-        Coordinator(scenario(steps=2), tmp_path / "run", spawn=False, progress=False)
+        Supervisor(scenario(steps=2), tmp_path / "run", spawn=False)
     assert not (tmp_path / "run").exists()
 
 

@@ -16,19 +16,20 @@ from runtime_helpers import REPO, run, scenario
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_torchrun_workers_join_a_running_coordinator(tmp_path):
-    from runtime.coordinator import Coordinator
+def test_torchrun_workers_join_a_running_coordinator(tmp_path, monkeypatch):
+    from runtime.supervisor import Supervisor
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
         pytest.skip("torchrun not installed next to this interpreter")
     sc = scenario(steps=6, regions=[("a", 1), ("b", 1)], hot_spares=0, slots=2)
-    coord = Coordinator(sc, tmp_path / "run", spawn=False, progress=False, hangs="", secret="the-test-job")
+    monkeypatch.setenv("KEEL_JOB_SECRET", "the-test-job")
+    sup = Supervisor(sc, tmp_path / "run", spawn=False, options={"progress": False, "hangs": ""})
     result: dict = {}
-    t = threading.Thread(target=lambda: result.update(summary=coord.run()), daemon=True)
+    t = threading.Thread(target=lambda: result.update(summary=sup.run()), daemon=True)
     t.start()
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", KEEL_JOB_SECRET="the-test-job")
     proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "runtime.worker",
-                           "--coordinator", f"127.0.0.1:{coord.port}"],
+                           "--coordinator", f"127.0.0.1:{sup.port}"],
                           cwd=str(REPO), env=env, capture_output=True, text=True, timeout=150)
     t.join(60)
     assert proc.returncode == 0, proc.stderr[-3000:]

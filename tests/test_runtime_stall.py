@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from runtime_helpers import scenario
+from runtime_helpers import bare_coordinator, scenario
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,8 +23,8 @@ def test_a_generation_formed_after_the_last_step_finishes_the_run(tmp_path):
     """Seen in validate: a straggler's slots moved back just as the last step was committed;
     the generation formed at start step == run.steps had nothing to run, its members reported
     done, and the coordinator waited for a step that never comes (60 s stall)."""
-    from runtime.coordinator import Coordinator, WorkerState
-    coord = Coordinator(scenario(steps=14), tmp_path / "out", progress=False, spawn=False, secret="test")
+    from runtime.coordinator import WorkerState
+    coord = bare_coordinator(scenario(steps=14), tmp_path / "out", spawn=False)
     try:
         now = time.monotonic()
         coord.t0 = now

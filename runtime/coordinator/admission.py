@@ -9,13 +9,14 @@ import socket
 import time
 
 from runtime.coordinator.workers import WorkerState
-from runtime.protocol import HELLO_TIMEOUT_S, MAX_LINE, Channel, authentic, new_secret
+from runtime.protocol import MAX_LINE, Channel, authentic, hello_timeout_s, new_secret
 
 
 class AdmissionMixin:
     def _adopt(self, endpoints: dict) -> None:
         """Take the control port and the store a supervisor holds (runtime/supervisor.py):
         they outlive this coordinator, so a successor is found where it was."""
+        self.hello_timeout_s = hello_timeout_s()
         self.listener = socket.socket(fileno=int(endpoints["listener_fd"]))
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
@@ -30,7 +31,7 @@ class AdmissionMixin:
             sock.setblocking(True)
             chan = Channel(sock, max_line=MAX_LINE)
             nonce = new_secret()
-            self.strangers[chan] = (nonce, time.monotonic() + HELLO_TIMEOUT_S)
+            self.strangers[chan] = (nonce, time.monotonic() + self.hello_timeout_s)
             self.sel.register(sock, selectors.EVENT_READ, chan)
             chan.send({"type": "challenge", "nonce": nonce})
 
@@ -47,7 +48,7 @@ class AdmissionMixin:
             self._lost(self.workers[node], why or "connection closed")
 
     def _drop_strangers(self, now: float | None = None) -> None:
-        """Connections that have not said an authentic hello within HELLO_TIMEOUT_S (all of
+        """Connections that have not said an authentic hello within hello_timeout_s() (all of
         them when `now` is None: the run is over)."""
         for chan, (_, deadline) in list(self.strangers.items()):
             if now is None or now > deadline:

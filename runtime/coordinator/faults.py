@@ -239,7 +239,9 @@ class FaultsMixin:
             return
         self.phase = "restarting"
         self.restarts += 1
-        latest = ck.find_latest(self.ckpt_dir)
+        # a checkpoint of a step not committed here (written by workers while a dead
+        # coordinator's successor was starting) is not one this run has reached
+        latest = ck.find_latest(self.ckpt_dir, at_most=self.committed)
         step = int(latest.name.split("-")[1]) if latest is not None else 0
         self.emit_ep("restart", ep, from_step=step, checkpoint=str(latest) if latest else None,
                      lost_steps=self.committed - step)

@@ -202,7 +202,8 @@ class GenerationsMixin:
 
     def _commit(self, k: int, loss: float, reps: dict[str, dict], check: bool = True) -> None:
         now = self.now()
-        pace_ok = self.last_event_was_commit and self.last_commit_t is not None
+        # catching up on steps a survivor committed before an abort is not a clean interval
+        pace_ok = check and self.last_event_was_commit and self.last_commit_t is not None
         if self._end_due_episodes(k):  # recover_end just before the commit that ends the episode
             pace_ok = False
         self.committed = k

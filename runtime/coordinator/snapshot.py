@@ -84,9 +84,9 @@ def run_events(path: Path) -> list[Event]:
             continue
         try:
             events.append(validate_event(json.loads(line), f"{path}:{n}"))
-        except (ValueError, EventLogError):
+        except (ValueError, EventLogError) as e:
             if pos < len(data) or line.endswith(b"\n"):
-                raise
+                raise e if isinstance(e, EventLogError) else EventLogError(f"{path}:{n}: not valid JSON ({e})") from None
             os.truncate(path, start)
             print(f"keel: {path}:{n}: a half-written last event cut off", file=sys.stderr, flush=True)
     starts = [i for i, e in enumerate(events) if e.kind == "run_start"]
