@@ -85,19 +85,6 @@ def test_checkpoint_restart_relaunches_once_the_successor_is_up():
     assert result.summary["restarts"] == 1 and ev[-1].step == 12
 
 
-def test_checkpoint_restart_loads_a_checkpoint_the_workers_wrote_during_the_outage():
-    """The workers train on while the coordinator is gone: they reach step 5 and write its
-    checkpoint (2 s, sync) before the successor, 6 s late, relaunches them from it."""
-    result = coordinator_killed_at(3, **{"policy.kind": "checkpoint_restart", "policy.restart_s": 50.0,
-                                         "policy.coordinator_restart_s": 6.0, "checkpoint.interval_steps": 5})
-    ev = result.events
-    fault, restart = the(ev, "fault"), the(ev, "restart")
-    between = ev[ev.index(the(ev, "recover_start")) + 1:ev.index(restart)]
-    assert [e.kind for e in between] == ["checkpoint_start", "checkpoint_end"]  # nothing committed meanwhile
-    assert restart.t == pytest.approx(fault.t + 2 * STEP + 2.0)  # taken once the write is done
-    assert restart.detail == {"fault_id": 0, "from_step": 5, "lost_steps": 0}
-
-
 def test_the_twins_log_calibrates_to_its_own_parameter():
     """calibrate_fit reads coordinator_restart_s off a log as the runtime writes it; the twin's
     log gives back the value it ran with, calibrated or not."""

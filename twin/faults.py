@@ -33,7 +33,7 @@ DAY = 86400.0
 class Cause:
     """Something the trainer must react to. `interrupts_run`: it changes the steps in flight;
     `aborts_pause`: it breaks a recovery, restart or checkpoint pause too."""
-    kind: str               # loss | detected | spike_start | spike_end | nan | rejoin | coordinator_up
+    kind: str               # loss | detected | spike_start | spike_end | nan | rejoin | coordinator_(down|up)
     fault_id: int | None = None
     interrupts_run: bool = False
     aborts_pause: bool = False

@@ -52,21 +52,20 @@ Semantics (docs/design.md for step numbering and fault ids):
 - `coordinator_loss`: the coordinator process dies; its supervisor sees the exit at once
   (`fault`, `detect` with detect_s 0 and `recover_start` at one instant) and its successor
   has loaded the state and has every worker back `coordinator_restart_s` later (twin/params.py).
-  The workers train on meanwhile (and write the checkpoints that fall due): the trainer runs
-  on, but commits are held (no `step` event) until the successor is up. Under absorb the
-  twin models what follows as a re-form with no node lost: the steps done meanwhile are
-  committed at once (one `step` event), the successor's abort lands (the step in flight is
-  lost: its partial work, nothing else), the job pauses for reform_s (the new process
-  group; no slot moves, no state is copied) and redoes that step. The episode's
-  `recover_end` comes just before the new generation's first commit, with the runtime's
-  detail: downtime_s (fault to then), detect_s 0, ack_s (death to the successor up),
-  reform_s (ack_s + the pause), state_s 0, redo_s (the redone step) and gen. Under
-  checkpoint_restart the successor relaunches every worker instead (the steps done
-  meanwhile are not committed): a restart as below, from the newest complete checkpoint
-  (one written during the outage counts). An episode open when the coordinator dies goes on
-  as modelled (its commits are held too, so its downtime runs to the successor); a node
-  fault during the outage too (simplified: in the runtime nobody re-forms the group until
-  the successor is up).
+  Under absorb the workers train on meanwhile and nothing of that is lost: the twin modelled
+  it as a re-form with no node lost. The trainer runs on, but commits are held (no `step`
+  event) until the successor is up; then the steps done meanwhile are committed at once (one
+  `step` event), its abort lands (the step in flight is lost: its partial work, nothing
+  else), the job pauses for reform_s (the new process group; no slot moves, no state is
+  copied) and redoes that step. The episode's `recover_end` comes just before the new
+  generation's first commit, with the runtime's detail: downtime_s (fault to then), detect_s
+  0, ack_s (death to the successor up), reform_s (ack_s + the pause), state_s 0, redo_s (the
+  redone step) and gen. Under checkpoint_restart the job stops at the death (what the
+  workers train meanwhile is thrown away by the relaunch; a checkpoint that an async write
+  finishes meanwhile still counts) and, once the successor is up, restarts as below. An
+  episode open when the coordinator dies goes on as modelled (its commits are held too, so
+  its downtime runs to the successor); a node fault during the outage too (simplified: in
+  the runtime nobody re-forms the group until the successor is up).
 - `checkpoint_restart`: any node fault or NaN stops the job: a `restart` at detection, the
   dead nodes replaced by hot spares (else by a new node, + replace_node_s), a pause of
   restart_s + checkpoint load (per-node share / read bandwidth), and the steps since the last
@@ -299,7 +298,7 @@ class Simulation:
             if self.env.now > self.wall_limit_s:
                 completed = False
                 break
-            if self.undetected:
+            if self.undetected or (self.outages and not self.absorb):
                 yield from self.wait(None, "stalled")
             elif self.restart_for:
                 yield from self._restart()
@@ -342,31 +341,35 @@ class Simulation:
             self.nan_pending.append(fid)
         elif cause.kind == "rejoin":
             self.rejoined = True
+        elif cause.kind == "coordinator_down":
+            self.carry_s = None  # the job stops (checkpoint_restart)
         elif cause.kind == "coordinator_up":
             self._coordinator_up(fid)
 
     # ------------------------------------------------------------------ coordinator loss
     def coordinator_down(self, fid: int) -> None:
-        """The coordinator died (module docstring): the workers train on, but nothing is
-        committed until a successor is up."""
+        """The coordinator died (module docstring): under absorb commits are held from now on,
+        under checkpoint_restart the job stops."""
         self.outages[fid] = self.env.now
-        if self.hold_from is None:
+        if not self.absorb:
+            self.notify(Cause("coordinator_down", fid, interrupts_run=True, aborts_pause=True))
+        elif self.hold_from is None:
             self.hold_from = self.env.now
             self.committed_when_held = self.committed_now()
 
     def _coordinator_up(self, fid: int) -> None:
-        """The successor is up and the step in flight is lost: under absorb it commits what the
-        workers did meanwhile and the job re-forms; under checkpoint_restart it relaunches them."""
+        """The successor is up: it commits what the workers did meanwhile and aborts the step in
+        flight; the job re-forms (absorb) or restarts from the last checkpoint."""
         died = self.outages.pop(fid)
         self.carry_s = None
-        if not self.outages:
-            if self.held and self.absorb:
-                self._append_step(self.env.now, self.committed, self.committed_when_held)
-            self.hold_from, self.held = None, False
         if not self.absorb:
             self.restart_for.append(fid)
             return
         self.failovers[fid] = (died, self.env.now)
+        if not self.outages:
+            if self.held:
+                self._append_step(self.env.now, self.committed, self.committed_when_held)
+            self.hold_from, self.held = None, False
         self.awaiting_recovery.append(fid)
         self.recovery_s = max(self.recovery_s, self.params.reform_s)
 
