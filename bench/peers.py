@@ -223,10 +223,11 @@ def spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Pope
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
-def run_torchrun(cfg: Config, out: Path, *, fault: bool, checkpoints: bool = True, weights_only: bool = False) -> Run:
+def run_torchrun(cfg: Config, out: Path, *, fault: bool, checkpoints: bool = True, weights_only: bool = False,
+                 train_args: tuple[str, ...] = ()) -> Run:
     out.mkdir(parents=True)
     extra = ["--mode", "torchrun", "--out", str(out), "--checkpoint-every", str(cfg.checkpoint_every if checkpoints else 0),
-             *sum((["--set", s] for s in cfg.overrides()), [])]
+             *sum((["--set", s] for s in cfg.overrides()), []), *train_args]
     if fault:
         extra += ["--kill-at", str(cfg.kill_at)]
     if weights_only:
@@ -307,9 +308,10 @@ def run_keel(cfg: Config, out: Path, *, policy: str, fault: bool) -> Run:
 # ----------------------------------------------------------------------------- the comparison
 
 def torchft_missing() -> str | None:
+    import importlib
     try:
-        import torchft  # noqa: F401
-        from torchft._torchft import LighthouseServer  # noqa: F401
+        importlib.import_module("torchft")
+        importlib.import_module("torchft._torchft").LighthouseServer
     except Exception as e:  # ImportError, or a build that does not load with this torch
         return f"torchft not importable ({type(e).__name__}: {e}); install the extra: pip install -e '.[peers]'"
     return None
@@ -414,6 +416,74 @@ def compare(tools: list[str], cfg: Config, repeats: int, work: Path, progress: b
             "ddp_step_ms_range": [1000 * min(ddp_s), 1000 * max(ddp_s)] if ddp else None}
 
 
+# ----------------------------------------------------------------------------- torchrun's resume, traced
+
+RESUME_VARIANTS = {"DDP defaults": {}, "find_unused_parameters=True": {"find_unused_parameters": True}}
+
+
+def read_traces(out: Path, workers: int) -> tuple[dict[int, dict[int, dict]], dict | None]:
+    """Slot -> step -> the last `trace` line for that step (a relaunched process's, where the
+    step was done again), and rank 0's `resumed` line (None without a restart)."""
+    traces: dict[int, dict[int, dict]] = {}
+    resumed = None
+    for slot in range(workers):
+        for line in (out / f"log-{slot}.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if r["kind"] == "trace":
+                traces.setdefault(slot, {})[r["step"]] = r
+            elif r["kind"] == "resumed" and slot == 0:
+                resumed = r
+    return traces, resumed
+
+
+def resume_trace(cfg: Config, work: Path) -> dict:
+    """torchrun fault-free and killed-then-resumed, every step traced (bench/peers_train.py
+    --trace), once with DDP's defaults and once with find_unused_parameters=True (DDP then
+    never rebuilds its buckets): where the two runs first differ, and in what."""
+    import torch
+    out = {}
+    for name, kwargs in RESUME_VARIANTS.items():
+        args = ("--trace", "--ddp-kwargs", json.dumps(kwargs))
+        where = work / ("resume-" + "".join(c if c.isalnum() else "-" for c in name))
+        ff = run_torchrun(cfg, where / "ff", fault=False, train_args=args)
+        fault = run_torchrun(cfg, where / "fault", fault=True, train_args=args)
+        a, _ = read_traces(where / "ff", cfg.workers)
+        b, resumed = read_traces(where / "fault", cfg.workers)
+        assert resumed is not None, "the killed run did not resume from a checkpoint"
+        start = resumed["step"]
+        steps = sorted(a[0])
+        first = next((st for st in steps if any(a[k][st]["reduced"] != b[k][st]["reduced"] for k in a)), None)
+        row = {"resumed_from": start, "resumed_weights_equal": resumed["weights"] == a[0][start]["weights"],
+               "first_reduced_diff_step": first, "final_weights_equal": ff.sha == fault.sha,
+               "steps_weights_differ": sum(a[0][st]["weights"] != b[0][st]["weights"] for st in steps)}
+        if first is not None:
+            g_ff = torch.load(where / "ff" / f"grads-{first}-a0.pt")
+            g_re = torch.load(where / "fault" / f"grads-{first}-a{b[0][first]['attempt']}.pt")
+            differ = g_ff["reduced"] != g_re["reduced"]
+            row.update({
+                "local_equal_at_first": all(a[k][first]["local"] == b[k][first]["local"] for k in a),
+                "rebuilt_at_first": {"fault_free": a[0][first]["rebuilt"], "resumed": b[0][first]["rebuilt"]},
+                "elements_differing": int(differ.sum()), "elements": int(differ.numel()),
+                "max_relative_diff": float(((g_ff["reduced"] - g_re["reduced"]).abs()[differ]
+                                            / g_ff["reduced"].abs()[differ]).max()) if differ.any() else 0.0})
+        out[name] = row
+    return out
+
+
+def print_resume_trace(res: dict) -> None:
+    for name, r in res.items():
+        print(f"torchrun, {name}: resumed from step {r['resumed_from']} "
+              f"(weights = the fault-free run's there: {r['resumed_weights_equal']}); ", end="")
+        if r["first_reduced_diff_step"] is None:
+            print(f"every step's reduced gradients equal the fault-free run's; final weights equal: {r['final_weights_equal']}")
+            continue
+        print(f"first step whose reduced gradients differ: {r['first_reduced_diff_step']} (every rank's own gradients "
+              f"equal there: {r['local_equal_at_first']}; DDP buckets rebuilt: fault-free {r['rebuilt_at_first']['fault_free']}, "
+              f"resumed {r['rebuilt_at_first']['resumed']}); {r['elements_differing']:,} of {r['elements']:,} elements "
+              f"differ, by at most {r['max_relative_diff']:.1e} relative; weights differ after {r['steps_weights_differ']} "
+              f"steps; final weights equal: {r['final_weights_equal']}")
+
+
 def machine() -> str:
     import torch
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -462,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torchft-timeout", type=float, default=None, help="torchft's process-group timeout (s)")
     p.add_argument("--no-ddp", action="store_true", help="leave out the plain DDP baseline (no step ratios)")
     p.add_argument("--work", default=None, help="keep the runs' logs here (default: a temporary directory)")
+    p.add_argument("--resume-trace", action="store_true",
+                   help="only trace torchrun's resume against its fault-free run, step by step (resume_trace)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     cfg = dataclasses.replace(TINY if args.tiny else Config(), **{k: v for k, v in (
@@ -483,6 +555,10 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.work) if args.work else Path(tmp)
         if args.work and work.exists():
             shutil.rmtree(work)
+        if args.resume_trace:
+            res = resume_trace(cfg, work)
+            print(json.dumps(res, sort_keys=True)) if args.json else print_resume_trace(res)
+            return 0
         result = compare(tools, cfg, args.repeats, work, ddp=not args.no_ddp)
     result = {**result, "machine": mach, "date": started.strftime("%Y-%m-%d %H:%M UTC"), "skipped": skipped,
               "command": "bench/peers.py " + " ".join(argv if argv is not None else sys.argv[1:]),

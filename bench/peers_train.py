@@ -13,10 +13,18 @@ per committed step (its number, wall time, loss bits, the sample indices it trai
 it took part), `kill` (the wall time just before worker `--kill-rank` SIGKILLs itself once
 `--kill-at` steps are committed, first attempt only) and `end` (final weights sha256). The
 harness derives every figure from these lines.
+
+`--trace` (torchrun mode) adds a `trace` line per step: digests of the gradients each rank
+computed (before DDP's all-reduce: a plain copy of the model on the same batch), of the reduced
+gradients and of the weights after the step, and whether DDP has rebuilt its buckets; rank 0
+also saves the local and reduced gradients of every step to DIR/grads-<step>-a<attempt>.pt.
+`--ddp-kwargs` passes DistributedDataParallel's keyword arguments (bench/peers.py --resume-trace).
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import hashlib
 import json
 import os
 import signal
@@ -69,6 +77,16 @@ def maybe_kill(args, log: Log, slot: int, committed: int, attempt: int) -> None:
 
 # ----------------------------------------------------------------------------- DDP / torchrun elastic
 
+def flat_grads(model) -> torch.Tensor:
+    """Every parameter's gradient, in sorted-name order, as one vector."""
+    return torch.cat([p.grad.reshape(-1) for _, p in sorted(model.named_parameters())])
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
+
+
+
 def init_group(dist, rank: int, world: int, attempt: int) -> None:
     """The default group on the agent's store under a prefix of its own per attempt.
 
@@ -102,14 +120,28 @@ def run_ddp(args) -> None:
         if not args.resume_weights_only:
             optimizer.load_state_dict(state["optim"])
         start = int(state["step"])
-    ddp = DDP(model)
+        if args.trace:
+            log.write(kind="resumed", step=start, attempt=attempt, weights=weights_sha256(model)[:16])
+    ddp = DDP(model, **json.loads(args.ddp_kwargs))
     for step in range(start, sc.run.steps):
         b = loader.batch(step, rank)
+        if args.trace:  # this rank's own gradients, before any reduction
+            plain = copy.deepcopy(model)
+            slot_loss(plain, b.x, b.y, b.w).backward()
+            local = flat_grads(plain)
         optimizer.zero_grad(set_to_none=True)
         loss = slot_loss(ddp, b.x, b.y, b.w)
         maybe_kill(args, log, rank, step, attempt)  # mid-step: the others are in the all-reduce
         loss.backward()  # DDP averages the gradients over the 4 ranks
+        if args.trace:
+            reduced = flat_grads(model)
+            trace = {"local": digest(local), "reduced": digest(reduced),
+                     "rebuilt": ddp._get_ddp_logging_data().get("has_rebuilt_buckets")}
+            if rank == 0:
+                torch.save({"local": local, "reduced": reduced}, args.out / f"grads-{step + 1}-a{attempt}.pt")
         optimizer.step()
+        if args.trace:
+            log.write(kind="trace", step=step + 1, attempt=attempt, weights=weights_sha256(model)[:16], **trace)
         log.write(kind="commit", step=step + 1, t=time.time(), slots=[rank],
                   samples=loader.sample_indices(step, rank), loss=loss_bits(loss.item()), part=True)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and rank == 0:
@@ -207,6 +239,8 @@ def main() -> None:
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--resume-weights-only", action="store_true",
                    help="resume the weights but not the optimizer state (a tool that must not match its fault-free run)")
+    p.add_argument("--trace", action="store_true", help="log digests of each step's gradients and weights")
+    p.add_argument("--ddp-kwargs", default="{}", help="DistributedDataParallel's keyword arguments, as JSON")
     p.add_argument("--replica", type=int, default=0)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--torchft-timeout", type=float, default=5.0)
