@@ -1,6 +1,7 @@
 """The supervisor: what `keel run` is while its job runs. It holds what must outlive a
 coordinator (the control port, the rendezvous store, the worker processes, the job's secret)
-and runs the coordinator as a child process, which it replaces when it dies or hangs.
+and runs the coordinator as a child process, which it replaces when it dies or hangs (by a
+standby started beforehand, its modules imported: no interpreter start in the way).
 
     keel run: supervisor (this module): control port, TCPStore, fork server, the workers' parent
       coordinator (python -m runtime.coordinator --supervised FD): decisions, events.jsonl,
@@ -81,6 +82,7 @@ class Supervisor:
         self.incarnation = 0
         self.coord: subprocess.Popen | None = None
         self.link: Channel | None = None
+        self.standby: tuple[subprocess.Popen, Channel] | None = None  # the next coordinator, waiting
 
     def _listen(self, port: int) -> None:
         """The control port and the rendezvous store, both bound to `self.host` only (torch's
@@ -104,18 +106,29 @@ class Supervisor:
 
     # ------------------------------------------------------------------------- the coordinator
 
-    def _start_coordinator(self, recover: dict[str, Any] | None) -> None:
+    def _launch(self) -> tuple[subprocess.Popen, Channel]:
+        """A coordinator process, its modules imported, waiting for its `init`."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         env[SECRET_ENV] = self.secret
         env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         cmd = [sys.executable, "-m", "runtime.coordinator", "--supervised", str(theirs.fileno()),
                "--listener-fd", str(self.listener.fileno())]
-        self.coord = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), self.listener.fileno()), env=env,
-                                      stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), self.listener.fileno()), env=env,
+                                stdin=subprocess.DEVNULL)
         theirs.close()
-        self.link = Channel(ours)
-        self.link.sock.setblocking(False)
+        link = Channel(ours)
+        link.sock.setblocking(False)
+        return proc, link
+
+    def _start_coordinator(self, recover: dict[str, Any] | None) -> None:
+        """Start the coordinator: the standby if there is one (a successor then costs no
+        interpreter start), and a new standby behind it while restarts are left."""
+        if self.standby is not None and self.standby[0].poll() is None:
+            self.coord, self.link = self.standby
+        else:
+            self.coord, self.link = self._launch()
+        self.standby = self._launch() if self.incarnation < self.restarts else None
         self.link.send({"type": "init", "scenario": self.sc.plain(), "source": self.sc.source,
                         "out_dir": str(self.out), "spawn": self.spawn_local, "host": self.host, "port": self.port,
                         "store_port": self.store_port, "options": self.options, "recover": recover,
@@ -213,12 +226,13 @@ class Supervisor:
                         self.link.send({"type": "exited", "pid": pid, "rc": rc})
 
     def _stop_all(self) -> None:
-        """Nothing outlives the run: the coordinator, then every worker still alive."""
-        if self.coord is not None and self.coord.poll() is None:
-            self.coord.kill()
-            self.coord.wait()
-        if self.link is not None:
-            self.link.close()
+        """Nothing outlives the run: the coordinator and its standby, then every worker still alive."""
+        for proc, link in ((self.coord, self.link), self.standby or (None, None)):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if link is not None:
+                link.close()
         for pid, (_, proc) in self.procs.items():
             if proc.poll() is None:
                 proc.signal(signal.SIGKILL)

@@ -265,7 +265,7 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin):
         t0 = time.perf_counter()
         try:
             self.at = f"gen {g} rank {rank}/{world}: forming the group"
-            pg = self.groups.make(g, rank, world)
+            pg = self.groups.make(g, rank, world, retire=True)
             if self.emu is not None:
                 self._ring = None
                 self._connect(pg, rank, should_abort)

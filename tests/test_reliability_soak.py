@@ -15,8 +15,9 @@ recover_end, then a commit; tests/test_reliability_faults.py's check_run); the f
 and every loss bit-identical to the reference run, which is the run of only its data faults
 (a NaN shard changes the data by design, every other fault must change no bit); and the
 survivors' memory flat: the resident set, open descriptors and threads of each worker that
-lived through the whole run, sampled from /proc after the first steps and at the end. That
-last one does not hold yet (test_soak_survivors_flat, an expected failure that says why).
+lived through the whole run, sampled from /proc after the first steps and at the end (it
+held once each generation's old gloo groups were aborted and dropped, runtime/groups.py:
+before, each survivor kept ~3 threads and ~6 descriptors per generation).
 """
 from __future__ import annotations
 
@@ -184,11 +185,6 @@ def test_soak(soak, record):
                           f"{m['threads'][0]} -> {m['threads'][1]}" for n, m in soak["memory"].items()))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not flat yet: every generation's gloo group stays referenced (runtime/groups.py, GroupFactory.pgs: "
-    "destroying one with a collective in flight blocks), so each survivor gains ~3 threads, ~6 open "
-    "descriptors and ~0.4 MiB per generation (4 Dec: 61 generations, 8 -> 192-219 threads, 16-23 -> "
-    "342-472 descriptors, 274 -> 292-303 MiB); remove this mark when they are released"))
 def test_soak_survivors_flat(soak):
     """The survivors' threads, descriptors and resident set at the end of the soak are what
     they were after its first steps (a little slack for the allocator and the store pool)."""

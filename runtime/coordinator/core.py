@@ -1,5 +1,6 @@
-"""The coordinator's process: its sockets, the workers it tracks, the event log it writes, and
-the event loop with one handler per message type the protocol declares (runtime/protocol.py).
+"""The coordinator's process (a child of the supervisor, runtime/supervisor.py): the workers it
+tracks, the event log it writes, and the event loop with one handler per message type the
+protocol declares (runtime/protocol.py).
 
 What it decides lives beside it: who may join (admission.py), the handlers of each message
 (messages.py), generations and commits (generations.py, on the pure slot planner in
@@ -36,8 +37,10 @@ STALL_MIN_S = 60.0
 
 
 class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, SuccessionMixin):
-    """Hosts the rendezvous store and one control connection per worker, tracks the workers
-    by heartbeat, process exit and EOF, and is the single writer of `events.jsonl`."""
+    """Holds one control connection per worker, tracks the workers by heartbeat, process exit
+    and EOF, makes every decision, is the single writer of `events.jsonl`, and keeps what a
+    successor would need in `coordinator.json` (snapshot.py). Its supervisor holds the port,
+    the rendezvous store and the worker processes (runtime/supervisor.py)."""
 
     def __init__(self, scenario: Scenario, out_dir: str | Path, *, link: Channel, endpoints: dict,
                  resume: str | Path | None = None, no_faults: bool = False, allow_config_change: bool = False,
