@@ -11,19 +11,29 @@ the same data (keel's loader, one slot per worker), 4 workers, the same seed and
   bench/peers-4.toml, policy `absorb` (no hot spare: the 3 survivors take the slot) and
   `checkpoint_restart`.
 
-Plain DDP (the same script as torchrun, no checkpoints, no fault) is the step-time baseline,
-measured in every repetition. Per tool: fault-free step time / DDP's (the median interval
-between consecutive commits, past the first two), downtime (the fault to the first step
-committed after it, from each tool's own commit times), steps committed again, processes
-restarted, and whether the final weights (bitwise) and the data every step trained on equal
-that tool's own fault-free run. Every configuration runs `--repeats` times, interleaved; a run
-that fails or hangs (120 s) is recorded under "failures" and retried once.
+Plain DDP (the same script as torchrun, no checkpoints, no fault) is the step-time baseline.
+Step time: one session per tool (and one of DDP against itself, the check that the method finds
+no difference where there is none). The tool's job and a DDP job start together; once both are
+past WARMUP_STEPS they take turns on the machine, the other frozen (SIGSTOP): D T D T ... D,
+`--window` seconds each, `--cycles` T windows. A window's time per step is its span over the
+steps committed in it (throughput: a checkpoint's cost counts); a cycle's ratio is T's over the
+geometric mean of the two DDP windows around it, measured within a second of each other, so the
+machine's other load moves both alike. Reported: the geometric mean of the cycles' ratios with
+its 95 % interval (Student t on the logs), and every two tools compared (ranked where the
+interval of their quotient leaves out 1).
 
-    .venv/bin/python bench/peers.py [--repeats 3] [--tools torchrun,torchft,keel_absorb,keel_restart] [--json]
+Faults: `--repeats` rounds, each of every tool's fault-free run (30 steps) and its run with the
+fault: downtime (the fault to the first step committed after it, from each tool's own commit
+times), steps committed again, processes restarted, and whether the final weights (bitwise) and
+the data every step trained on equal the same round's fault-free run's. A run that fails or
+hangs (120 s) is recorded under "failures" and retried once.
+
+    .venv/bin/python bench/peers.py [--repeats 3] [--cycles 16] [--window 1] [--tools torchrun,torchft,keel_absorb,keel_restart] [--json]
+    .venv/bin/python bench/peers.py --resume-trace   # torchrun's resume against its fault-free run, step by step
 
 `--json` prints one object: {"tools": {NAME: {"downtime_s", "downtime_s_range", "step_ratio_to_ddp",
-"steps_recomputed", "processes_restarted", "weights_equal_fault_free", "data_equal_fault_free",
-...}}, "machine", "date", "skipped", "failures", ...}.
+"step_ratio_to_ddp_ci95", "steps_recomputed", "processes_restarted", "weights_equal_fault_free",
+"data_equal_fault_free", ...}}, "sessions", "step_ranking", "machine", "date", "skipped", "failures", ...}.
 
 torchft's settings: a Lighthouse with min_replicas 3 and its default 5 s heartbeat timeout, the
 Manager and ProcessGroupGloo with a 5 s timeout (`--torchft-timeout`; the Manager's default is
@@ -46,6 +56,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import shutil
@@ -59,6 +70,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from keel.stats import mean_ci95, t95  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "bench" / "peers_train.py"
@@ -75,6 +88,7 @@ WORKAROUNDS = {
                "first quorum holds all four",
 }
 RUN_TIMEOUT_S = 120  # a run takes 10-40 s here; one that hangs is recorded, retried once
+WARMUP_STEPS = 5  # a run's step time leaves out its first steps (DDP rebuilds its buckets, caches fill)
 
 
 @dataclasses.dataclass
@@ -117,10 +131,11 @@ class Run:
         return {s: max(by_slot.values()) for s, by_slot in first.items()}
 
     def step_time_s(self) -> float:
+        """The median interval between consecutive commits past the first WARMUP_STEPS."""
         at = sorted(self.committed_at().items())
         xs = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(at, at[1:]) if b[0] > a[0]]
-        xs = xs[2:] if len(xs) > 6 else xs
-        return statistics.median(xs)
+        past = [x for (a, _), x in zip(at, xs) if a >= WARMUP_STEPS]
+        return statistics.median(past or xs)
 
     def data(self) -> dict[int, tuple]:
         """Step -> what its update was computed from: (slot, samples) of every participant, as
@@ -169,6 +184,14 @@ def read_peer_logs(out: Path, wall_s: float) -> Run:
 
 
 # ----------------------------------------------------------------------------- launching peers
+
+def count_lines(path: Path, mark: bytes) -> int:
+    """How many times `mark` occurs in `path` (0 while it does not exist)."""
+    try:
+        return path.read_bytes().count(mark)
+    except FileNotFoundError:
+        return 0
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -305,7 +328,7 @@ def run_keel(cfg: Config, out: Path, *, policy: str, fault: bool) -> Run:
     return Run(commits, kill_t, pids, summary["final_weights_sha256"], summary["wall_s"], kill_step, kill_t)
 
 
-# ----------------------------------------------------------------------------- the comparison
+# ----------------------------------------------------------------------------- a tool's runs
 
 def torchft_missing() -> str | None:
     import importlib
@@ -352,25 +375,197 @@ def median_range(xs: list[float]) -> tuple[float, list[float]]:
     return statistics.median(xs), [min(xs), max(xs)]
 
 
-def compare(tools: list[str], cfg: Config, repeats: int, work: Path, progress: bool = True, ddp: bool = True) -> dict:
-    """Every configuration `repeats` times, interleaved: DDP, then each tool fault-free and with
-    the fault. keel's fault-free run serves both keel policies (the policy acts only on a fault)."""
+def geometric_mean_ci(ratios: list[float]) -> tuple[float, list[float]]:
+    """The geometric mean of `ratios` and its 95 % confidence interval (Student t on the logs)."""
+    mean, (lo, hi) = mean_ci95([math.log(r) for r in ratios])
+    return math.exp(mean), [math.exp(lo), math.exp(hi)]
+
+
+# ----------------------------------------------------------------------------- step time: paired, alternating windows
+
+class Job:
+    """A tool's run launched for a timing session (process trees under `roots`), whose
+    processes are frozen (SIGSTOP) and thawed (SIGCONT) together; `committed()` counts the
+    steps it has committed so far."""
+
+    def __init__(self, roots: list[subprocess.Popen], committed, closing=None) -> None:
+        self.roots, self.committed, self.closing = roots, committed, closing
+        self.pids: list[int] = []
+
+    def tree(self) -> list[int]:
+        """The roots and every descendant of theirs, now."""
+        children: dict[int, list[int]] = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    raw = Path(f"/proc/{d}/stat").read_bytes()
+                except OSError:
+                    continue
+                children.setdefault(int(raw[raw.rindex(b")") + 2:].split()[1]), []).append(int(d))
+        out, todo = [], [p.pid for p in self.roots]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo += children.get(pid, ())
+        return out
+
+    def signal(self, sig: int) -> None:
+        for pid in self.pids or self.tree():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        self.signal(signal.SIGCONT)
+        for pid in self.tree():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in self.roots:
+            p.wait()
+        if self.closing is not None:
+            self.closing()
+
+
+LONG_RUN = 100_000  # steps a timing session's jobs are given: they are stopped long before
+
+
+def launch(tool: str, cfg: Config, out: Path) -> Job:
+    """`tool` fault-free, as in its fault-free runs but with no end in sight. keel's run
+    detects a dead worker after 30 s instead of 1 (a frozen window must not look like one)."""
+    out.mkdir(parents=True)
+    sets = [f"run.steps={LONG_RUN}", f"checkpoint.interval_steps={cfg.checkpoint_every}"]
+    peer_commits = lambda: count_lines(out / "log-0.jsonl", b'"kind": "commit"')  # noqa: E731
+    if tool == "ddp" or tool.startswith("torchrun"):
+        extra = ["--mode", "torchrun", "--out", str(out), "--checkpoint-every",
+                 "0" if tool == "ddp" else str(cfg.checkpoint_every), *sum((["--set", x] for x in sets), [])]
+        return Job([spawn(torchrun_cmd(cfg.workers, extra), out / "torchrun.log")], peer_commits)
+    if tool == "torchft":
+        from torchft._torchft import LighthouseServer
+        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=cfg.workers - 1,
+                                      heartbeat_timeout_ms=cfg.lighthouse_heartbeat_ms)
+        env = {"TORCHFT_LIGHTHOUSE": lighthouse.address()}
+        roots = [spawn(torchrun_cmd(1, ["--mode", "torchft", "--out", str(out), "--replica", str(r), "--replicas",
+                                        str(cfg.workers), "--torchft-timeout", str(cfg.torchft_timeout_s),
+                                        *sum((["--set", x] for x in sets), [])]), out / f"replica-{r}.log", env)
+                 for r in range(cfg.workers)]
+        return Job(roots, peer_commits, closing=lighthouse.shutdown)
+    cmd = [sys.executable, "-m", "keel.cli", "run", str(SCENARIO), "--out", str(out / "run"), "--no-faults",
+           *sum((["--set", x] for x in ["policy.kind=absorb", "policy.detect_timeout_s=30", *sets]), [])]
+    return Job([spawn(cmd, out / "keel.log")], lambda: count_lines(out / "run" / "events.jsonl", b'"kind":"step"'))
+
+
+def commit_times(out: Path) -> list[float]:
+    """A timing job's commit times: rank 0's `commit` lines (a peer's, epoch seconds) or keel's
+    `step` events (seconds since its run started)."""
+    events = out / "run" / "events.jsonl"
+    if events.exists():
+        lines = [json.loads(x) for x in events.read_text().splitlines() if '"kind":"step"' in x]
+        return [r["t"] for r in lines]
+    lines = [json.loads(x) for x in (out / "log-0.jsonl").read_text().splitlines() if '"kind": "commit"' in x]
+    return [r["t"] for r in lines]
+
+
+def windows(times: list[float], gap_s: float) -> list[list[float]]:
+    """`times` cut wherever the job stood still longer than `gap_s` (it was frozen)."""
+    out: list[list[float]] = []
+    for t in times:
+        if out and t - out[-1][-1] <= gap_s:
+            out[-1].append(t)
+        else:
+            out.append([t])
+    return out
+
+
+def paired_session(tool: str, cfg: Config, out: Path, cycles: int, window_s: float) -> dict:
+    """`tool` and plain DDP launched together; once both are past WARMUP_STEPS they take turns
+    on the machine, the other one frozen: D T D T ... D, `window_s` each. A window's time per
+    step is its span over the steps committed in it (the job's log cut where it stood still); a
+    cycle's ratio is T's over the geometric mean of the DDP windows either side of it: measured
+    within a second of each other, so the machine's other load moves them alike."""
+    ddp, job = launch("ddp", cfg, out / "baseline"), launch(tool, cfg, out / "timed")
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while ddp.committed() < WARMUP_STEPS or job.committed() < WARMUP_STEPS:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in ddp.roots + job.roots):
+                raise RuntimeError(f"timing session {tool} ({out}): a job did not reach step {WARMUP_STEPS}")
+            time.sleep(0.1)
+        ddp.pids, job.pids = ddp.tree(), job.tree()
+        job.signal(signal.SIGSTOP)
+        start = time.time()
+        active, idle = ddp, job
+        for turn in range(2 * cycles + 1):
+            time.sleep(window_s)
+            active.signal(signal.SIGSTOP)
+            if turn < 2 * cycles:
+                idle.signal(signal.SIGCONT)
+            active, idle = idle, active
+    finally:
+        ddp.close()
+        job.close()
+        reap(out)
+    # each job's last windows: the turns (the timed job's own clock may not be ours: keel's)
+    d = windows([t for t in commit_times(out / "baseline") if t >= start], window_s / 2)[-(cycles + 1):]
+    t = windows(commit_times(out / "timed"), window_s / 2)[-cycles:]
+    spans = [w[-1] - w[0] for w in d + t]
+    if len(d) != cycles + 1 or len(t) != cycles or min(map(len, d + t)) < 5 or max(spans) > 1.2 * window_s:
+        raise RuntimeError(f"timing session {tool} ({out}): {len(d)} DDP and {len(t)} {tool} windows of "
+                           f"{min(map(len, d + t), default=0)}+ commits over at most {max(spans, default=0):.2f} s "
+                           f"(expected {cycles + 1} and {cycles}, 5+ commits each, none longer than a turn)")
+    ds, ts = [(w[-1] - w[0]) / (len(w) - 1) for w in d], [(w[-1] - w[0]) / (len(w) - 1) for w in t]
+    ratios = [x / math.sqrt(ds[i] * ds[i + 1]) for i, x in enumerate(ts)]
+    mean, ci = geometric_mean_ci(ratios)
+    return {"ratio": mean, "ci95": ci, "range": [min(ratios), max(ratios)], "ratios": ratios,
+            "ddp_ms": 1000 * statistics.median(ds), "ddp_ms_range": [1000 * min(ds), 1000 * max(ds)],
+            "tool_ms": 1000 * statistics.median(ts), "window_s": window_s, "cycles": cycles,
+            "log_se": statistics.stdev(math.log(r) for r in ratios) / math.sqrt(len(ratios))}
+
+
+def rank_step_times(sessions: dict[str, dict]) -> list[dict]:
+    """Every two tools' step times compared through their sessions' ratios to DDP: a's over
+    b's, with the 95 % interval of the difference of the two mean logs (their standard errors
+    added in quadrature, Student t at the smaller session's degrees of freedom); ranked where
+    the interval leaves out 1."""
+    out = []
+    names = list(sessions)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            sa, sb = sessions[a], sessions[b]
+            diff = math.log(sa["ratio"]) - math.log(sb["ratio"])
+            half = t95(min(len(sa["ratios"]), len(sb["ratios"])) - 1) * math.hypot(sa["log_se"], sb["log_se"])
+            ci = [math.exp(diff - half), math.exp(diff + half)]
+            out.append({"a": a, "b": b, "a_over_b": math.exp(diff), "ci95": ci, "ranked": ci[1] < 1.0 or ci[0] > 1.0})
+    return out
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+def compare(tools: list[str], cfg: Config, repeats: int, work: Path, progress: bool = True, ddp: bool = True,
+            cycles: int = 16, window_s: float = 1.0) -> dict:
+    """Step time (with `ddp`): one paired session per tool against plain DDP (`paired_session`),
+    and one of DDP against itself, the check that the method finds no difference where there is
+    none. Faults: `repeats` rounds, each of every tool's fault-free run then its run with the
+    fault (keel's fault-free run serves both keel policies: the policy acts only on a fault)."""
     from keel.progress import progress_bar
 
     ff_key = {t: ("keel" if t.startswith("keel") else "torchrun" if t.startswith("torchrun") else t) for t in tools}
     ff_names = list(dict.fromkeys(ff_key.values()))
+    timed = ["ddp", *ff_names] if ddp else []
     rows: dict[str, list[dict]] = {t: [] for t in tools}
-    ddp_s: list[float] = []
     ff_shas: dict[str, set[str]] = {name: set() for name in ff_names}
+    ff_ms: dict[str, list[float]] = {name: [] for name in ff_names}
+    sessions: dict[str, dict] = {}
     failures: list[dict] = []
-    total = repeats * (int(ddp) + len(ff_names) + len(tools))
+    total = len(timed) + repeats * (len(ff_names) + len(tools))
     with progress_bar(total=total, desc="peers", unit="run", enabled=progress, every_s=15.0) as bar:
+        for name in timed:
+            got = attempt(lambda d: paired_session(name, cfg, d, cycles, window_s), work / f"timing-{name}", failures)
+            if got is not None:
+                sessions[name] = got
+            bar.update()
         for rep in range(repeats):
-            if ddp:
-                ddp_run = attempt(lambda d: run_torchrun(cfg, d, fault=False, checkpoints=False), work / f"r{rep}-ddp", failures)
-                if ddp_run is not None:
-                    ddp_s.append(ddp_run.step_time_s())
-                bar.update()
             ff: dict[str, Run] = {}
             for name in ff_names:
                 tool = next(t for t in tools if ff_key[t] == name)
@@ -378,42 +573,48 @@ def compare(tools: list[str], cfg: Config, repeats: int, work: Path, progress: b
                 if run is not None:
                     ff[name] = run
                     ff_shas[name].add(run.sha)
+                    ff_ms[name].append(1000 * run.step_time_s())
                 bar.update()
             for tool in tools:
                 run = attempt(lambda d: faulted(tool, cfg, d), work / f"r{rep}-{tool}-fault", failures)
                 bar.update()
-                if run is None or ff_key[tool] not in ff or (ddp and not ddp_s):
+                if run is None or ff_key[tool] not in ff:
                     continue
                 base = ff[ff_key[tool]]
-                rows[tool].append({**run.fault_figures(), "step_s": base.step_time_s(),
-                                   "step_ratio_to_ddp": base.step_time_s() / ddp_s[-1] if ddp else None,
-                                   "weights_equal_fault_free": run.sha == base.sha,
+                rows[tool].append({**run.fault_figures(), "weights_equal_fault_free": run.sha == base.sha,
                                    "data_equal_fault_free": run.data() == base.data()})
                 bar.set_postfix(**{tool: f"{rows[tool][-1]['downtime_s']:.2f} s"})
     out = {}
     for tool, rs in rows.items():
         if not rs:
             continue
+        name = ff_key[tool]
         down, down_range = median_range([r["downtime_s"] for r in rs])
-        ratio, ratio_range = median_range([r["step_ratio_to_ddp"] for r in rs]) if ddp else (None, None)
         back, back_range = median_range([r["back_to_pace_s"] for r in rs])
+        session = sessions.get(name)
         out[tool] = {
             "downtime_s": down, "downtime_s_range": down_range,
-            "step_ratio_to_ddp": ratio, "step_ratio_to_ddp_range": ratio_range,
+            "step_ratio_to_ddp": session["ratio"] if session else None,
+            "step_ratio_to_ddp_ci95": session["ci95"] if session else None,
+            "step_ratio_to_ddp_range": session["range"] if session else None,
             "back_to_step_s": back, "back_to_step_s_range": back_range,
-            "step_ms": 1000 * statistics.median(r["step_s"] for r in rs),
+            "step_ms": statistics.median(ff_ms[name]) if ff_ms[name] else None,
             "steps_recomputed": int(statistics.median(r["steps_recomputed"] for r in rs)),
             "processes_restarted": int(statistics.median(r["processes_restarted"] for r in rs)),
             "weights_equal_fault_free": all(r["weights_equal_fault_free"] for r in rs),
             "data_equal_fault_free": all(r["data_equal_fault_free"] for r in rs),
             "repeats": len(rs), "per_repeat": rs,
             # every fault-free run of the tool ended with the same weights (the reference is stable)
-            "fault_free_reproducible": len(ff_shas[ff_key[tool]]) == 1,
+            "fault_free_reproducible": len(ff_shas[name]) == 1,
         }
         if tool in WORKAROUNDS:
             out[tool]["workaround"] = WORKAROUNDS[tool]
-    return {"tools": out, "failures": failures, "ddp_step_ms": 1000 * statistics.median(ddp_s) if ddp else None,
-            "ddp_step_ms_range": [1000 * min(ddp_s), 1000 * max(ddp_s)] if ddp else None}
+    ddp_session = sessions.get("ddp")
+    return {"tools": out, "failures": failures, "sessions": sessions,
+            "step_ranking": rank_step_times({k: v for k, v in sessions.items() if k != "ddp"}),
+            "timing": {"cycles": cycles, "window_s": window_s, "warmup_steps": WARMUP_STEPS},
+            "ddp_step_ms": ddp_session["ddp_ms"] if ddp_session else None,
+            "ddp_step_ms_range": ddp_session["ddp_ms_range"] if ddp_session else None}
 
 
 # ----------------------------------------------------------------------------- torchrun's resume, traced
@@ -492,26 +693,33 @@ def machine() -> str:
 
 
 def print_table(result: dict, cfg: Config, repeats: int) -> None:
+    t = result["timing"]
     print(f"peers side by side: 4 workers, keel's model and data, {cfg.steps} steps, worker 1 SIGKILLed at step "
-          f"{cfg.kill_at}, a checkpoint every {cfg.checkpoint_every} steps; median [min-max] of {repeats}, interleaved")
+          f"{cfg.kill_at}, a checkpoint every {cfg.checkpoint_every} steps; faults: median [min-max] of {repeats}; "
+          f"step / DDP: geometric mean [95 % interval] of {t['cycles']} cycles, {t['window_s']:g} s windows "
+          f"taking turns with DDP")
     print(f"{result['machine']}; {result['date']}")
-    if result["ddp_step_ms"] is not None:
-        print(f"plain DDP (gloo) fault-free step: {result['ddp_step_ms']:.1f} ms "
-              f"[{result['ddp_step_ms_range'][0]:.1f}-{result['ddp_step_ms_range'][1]:.1f}]")
-    head = f"{'tool':22}{'step / DDP':>18}{'downtime s':>22}{'back to step s':>22}{'recomputed':>11}{'restarted':>10}" \
-           f"{'weights =':>10}{'data =':>8}"
+    for name, sess in result["sessions"].items():
+        print(f"timing session {name}: DDP {sess['ddp_ms']:.1f} ms a step [{sess['ddp_ms_range'][0]:.1f}-"
+              f"{sess['ddp_ms_range'][1]:.1f}] over its windows, {name} {sess['tool_ms']:.1f}; ratio {sess['ratio']:.3f} "
+              f"[{sess['ci95'][0]:.3f}-{sess['ci95'][1]:.3f}], cycles {sess['range'][0]:.2f}-{sess['range'][1]:.2f}")
+    head = f"{'tool':22}{'step / DDP':>20}{'downtime s':>22}{'back to step s':>22}{'recomputed':>11}" \
+           f"{'restarted':>10}{'weights =':>10}{'data =':>8}"
     print(head)
     print("-" * len(head))
     for tool, r in result["tools"].items():
-        ratio = (f"{r['step_ratio_to_ddp']:>7.2f} [{r['step_ratio_to_ddp_range'][0]:.2f}-{r['step_ratio_to_ddp_range'][1]:.2f}]"
-                 if r["step_ratio_to_ddp"] is not None else f"{'-':>18}")
-        print(f"{tool:22}{ratio}"
+        ratio = (f"{r['step_ratio_to_ddp']:>7.3f} [{r['step_ratio_to_ddp_ci95'][0]:.2f}-{r['step_ratio_to_ddp_ci95'][1]:.2f}]"
+                 if r["step_ratio_to_ddp"] is not None else f"{'-':>20}")
+        print(f"{tool:22}{ratio:>20}"
               f"{r['downtime_s']:>9.2f} [{r['downtime_s_range'][0]:.2f}-{r['downtime_s_range'][1]:.2f}]"
               f"{r['back_to_step_s']:>9.2f} [{r['back_to_step_s_range'][0]:.2f}-{r['back_to_step_s_range'][1]:.2f}]"
               f"{r['steps_recomputed']:>11}{r['processes_restarted']:>10}"
               f"{'yes' if r['weights_equal_fault_free'] else 'NO':>10}{'yes' if r['data_equal_fault_free'] else 'NO':>8}")
     print("weights = / data =: the final weights (bitwise) and the samples of every committed step equal the "
           "tool's own fault-free run; back to step: the fault to the first commit beyond the last step committed before it")
+    for c in result["step_ranking"]:
+        verdict = "ranked" if c["ranked"] else "not ranked: the interval holds 1"
+        print(f"step time {c['a']} / {c['b']}: {c['a_over_b']:.3f} [{c['ci95'][0]:.3f}-{c['ci95'][1]:.3f}] ({verdict})")
     for tool, why in result["skipped"].items():
         print(f"skipped {tool}: {why}")
     for f in result["failures"]:
@@ -531,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help=f"a tiny configuration for tests ({TINY.steps} steps)")
     p.add_argument("--torchft-timeout", type=float, default=None, help="torchft's process-group timeout (s)")
     p.add_argument("--no-ddp", action="store_true", help="leave out the plain DDP baseline (no step ratios)")
+    p.add_argument("--cycles", type=int, default=16, help="timing: cycles of each tool's session against DDP")
+    p.add_argument("--window", type=float, default=1.0, help="timing: seconds each job runs before the other's turn")
     p.add_argument("--work", default=None, help="keep the runs' logs here (default: a temporary directory)")
     p.add_argument("--resume-trace", action="store_true",
                    help="only trace torchrun's resume against its fault-free run, step by step (resume_trace)")
@@ -539,6 +749,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dataclasses.replace(TINY if args.tiny else Config(), **{k: v for k, v in (
         ("steps", args.steps), ("kill_at", args.kill_at), ("checkpoint_every", args.checkpoint_every),
         ("torchft_timeout_s", args.torchft_timeout)) if v is not None})
+    if args.repeats < 1 or args.cycles < 2 or not 0.2 <= args.window <= 5.0:
+        print(f"peers.py: --repeats {args.repeats}, --cycles {args.cycles}, --window {args.window}: expected at "
+              "least 1, at least 2, and 0.2-5 s", file=sys.stderr)
+        return 2
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]
     bad = [t for t in tools if t not in TOOLS + CHECK_TOOLS]
     if bad:
@@ -559,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
             res = resume_trace(cfg, work)
             print(json.dumps(res, sort_keys=True)) if args.json else print_resume_trace(res)
             return 0
-        result = compare(tools, cfg, args.repeats, work, ddp=not args.no_ddp)
+        result = compare(tools, cfg, args.repeats, work, ddp=not args.no_ddp, cycles=args.cycles, window_s=args.window)
     result = {**result, "machine": mach, "date": started.strftime("%Y-%m-%d %H:%M UTC"), "skipped": skipped,
               "command": "bench/peers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "config": dataclasses.asdict(cfg), "repeats": args.repeats,

@@ -5,6 +5,7 @@ torchft needed, and nothing here depends on how fast the machine is."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,39 @@ def test_unknown_tool_is_bad_input():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "peers.py"), "--tools", "horovod"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "horovod" in proc.stderr
+
+
+def test_turns_are_cut_where_a_job_stood_still():
+    sys.path.insert(0, str(ROOT))
+    from bench.peers import windows
+    times = [0.0, 0.1, 0.2, 1.3, 1.4, 1.5, 1.6, 2.8]  # frozen twice for about a second
+    assert windows(times, 0.5) == [[0.0, 0.1, 0.2], [1.3, 1.4, 1.5, 1.6], [2.8]]
+
+
+def test_tools_are_ranked_only_where_the_interval_leaves_out_one():
+    sys.path.insert(0, str(ROOT))
+    from bench.peers import rank_step_times
+    s = lambda ratio, se: {"ratio": ratio, "log_se": se, "ratios": [ratio] * 10}  # noqa: E731
+    close, apart = rank_step_times({"a": s(1.00, 0.02), "b": s(1.02, 0.02), "c": s(1.50, 0.02)})[:2]
+    assert (close["a"], close["b"], close["ranked"]) == ("a", "b", False)
+    assert close["ci95"][0] < 1.0 < close["ci95"][1]
+    assert (apart["b"], apart["ranked"]) == ("c", True) and apart["ci95"][1] < 1.0
+
+
+@pytest.mark.timeout(150)
+def test_a_timing_session_takes_turns_with_ddp(tmp_path):
+    """DDP against itself, two cycles: the jobs take turns (each turn's log a run of commits
+    between two pauses), and the ratios are finite; their value is the machine's business."""
+    sys.path.insert(0, str(ROOT))
+    from bench.peers import Config, paired_session
+    got = paired_session("ddp", Config(), tmp_path, cycles=2, window_s=1.0)
+    assert len(got["ratios"]) == 2 and all(0 < r < 10 for r in got["ratios"])
+    assert got["ci95"][0] <= got["ratio"] <= got["ci95"][1]
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in cmdline(pid)]
+
+
+def cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
