@@ -289,8 +289,11 @@ def by_hand(sc) -> dict:
             slow_work += dens * h * h * min(t0 - y, (x + repair - y) / r)
     extra = (r - 1) * slow_work
     faults = n * F(t0) + n * mu * extra  # the slowdown's extra wall sees faults too
+    q = F(t0)  # P(spares + 1 faults within the fault-free horizon): the runs that slow down
+    p_slow = 1.0 - sum(math.comb(n, i) * q ** i * (1 - q) ** (n - i) for i in range(min(k, n + 1)))
     return {"step_s": step, "doubled_step_s": doubled, "fault_free_wall_s": t0, "faults": faults,
-            "cost_per_fault_s": per_fault, "slowdown_s": extra, "wall_s": t0 + faults * per_fault + extra}
+            "cost_per_fault_s": per_fault, "slowdown_s": extra, "p_slowdown": p_slow,
+            "wall_s": t0 + faults * per_fault + extra}
 
 
 def against_hand(sc, seeds: int, models: tuple[str, ...]) -> dict:
