@@ -67,8 +67,12 @@ def bar_svg(title: str, unit: str, bars: list[tuple[str, float, float, float]], 
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
            '<rect width="100%" height="100%" fill="white"/>',
            f'<text x="10" y="22" font-size="14">{esc(title)}</text>']
-    ticks = ([10 ** k for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)] if log else
-             [hi / 1.1 * f for f in (0, 0.25, 0.5, 0.75, 1.0)])
+    if log:
+        ticks = [10 ** k for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)]
+    else:  # round steps: 1, 2 or 5 times a power of ten, about four of them
+        raw = hi / 4
+        step = min((m * 10 ** math.floor(math.log10(raw)) for m in (1, 2, 5, 10)), key=lambda v: abs(v - raw))
+        ticks = [k * step for k in range(int(hi / step) + 1)]
     base_y = top_pad + row * len(bars)
     for t in ticks:
         if (log and lo <= t <= hi) or not log:
@@ -104,6 +108,29 @@ def rng(r: list[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(r[0])}-{fmt.format(r[1])}"
 
 
+def torchft_story(r: dict | None) -> str:
+    """What torchft did with the fault, from whether its runs kept the fault-free run's data."""
+    if r is None:
+        return "not run."
+    base = ("the step in flight is not committed (the survivors' all-reduce fails: the dead peer's ring neighbours "
+            "at once, the others after the process-group timeout, 5 s here) and the killed replica's own torchrun "
+            "relaunches it. ")
+    kept = sum(x["data_equal_fault_free"] for x in r["per_repeat"])
+    if kept == len(r["per_repeat"]):
+        return base + ("Here the relaunched replica was back in the next quorum (its relaunch took about the downtime "
+                       "above) and healed from a peer: every step was trained by all four, so the data and the weights "
+                       "match the fault-free run. Where the relaunch takes longer (a more loaded machine), the quorum "
+                       "goes on with 3 replicas and neither matches.")
+    story = ("The next quorum goes on with 3 replicas; the relaunched replica would heal from a peer at a later quorum "
+             "(the other three finish first in this short run: the harness stops once it has been relaunched). The "
+             "steps trained with 3 replicas average 3 slots instead of 4, so neither the data nor the weights match "
+             "the fault-free run")
+    if kept == 0:
+        return base + story + "."
+    return base + story + (f" (in {len(r['per_repeat']) - kept} of {len(r['per_repeat'])} repetitions; in the others "
+                           "the relaunched replica was back in the next quorum and every step was trained by all four).")
+
+
 def write_step_time(w, peers: dict) -> None:
     """How the step ratios were measured, the check against DDP itself, and what they rank."""
     sessions, timing = peers["sessions"], peers["timing"]
@@ -130,32 +157,33 @@ def write_step_time(w, peers: dict) -> None:
     ranking = peers["step_ranking"]
     if ranking:
         w("\nThe tools against each other (the quotient of their ratios, the two sessions' errors combined):\n")
-        for c in ranking:
+        for i, c in enumerate(ranking):
             verdict = (f"**ranked**: {c['a'] if c['a_over_b'] < 1 else c['b']} is faster, by "
                        f"{100 * abs(1 - c['a_over_b']):.0f} % [{100 * min(abs(1 - v) for v in c['ci95']):.0f}-"
                        f"{100 * max(abs(1 - v) for v in c['ci95']):.0f} %]" if c["ranked"] else
                        "not ranked: the interval holds 1")
-            w(f"- {c['a']} / {c['b']}: {c['a_over_b']:.3f} [{rng(c['ci95'], '{:.3f}')}], {verdict};")
-        w("")
+            w(f"- {c['a']} / {c['b']}: {c['a_over_b']:.3f} [{rng(c['ci95'], '{:.3f}')}], {verdict}"
+              + ("." if i == len(ranking) - 1 else ";"))
 
 
 def write_resume(w, rt: dict, cmd: str) -> None:
     """torchrun's resume traced step by step (bench/peers.py --resume-trace)."""
     d = rt["DDP defaults"]
     u = rt["find_unused_parameters=True"]
-    w(f"**Why torchrun's resume is not bit-identical** (`{cmd}`: torchrun fault-free and killed-then-resumed, "
-      "each step's gradients and weights hashed on every rank). ")
+    head = (f"**Why torchrun's resume is not bit-identical** (`{cmd}`: torchrun fault-free and killed-then-resumed, "
+            "each step's gradients and weights hashed on every rank). ")
     if d["first_reduced_diff_step"] is None:
-        w("This time every step's reduced gradients matched the fault-free run's.\n")
+        w(head + "This time every step's reduced gradients matched the fault-free run's.\n")
         return
-    w(f"The relaunched job resumes from step {d['resumed_from']} with the fault-free run's exact weights "
+    w(head + f"The relaunched job resumes from step {d['resumed_from']} with the fault-free run's exact weights "
       f"({'yes' if d['resumed_weights_equal'] else '**no**'}), and at step {d['first_reduced_diff_step']} every rank "
       f"computes the same gradients as in the fault-free run ({'yes' if d['local_equal_at_first'] else '**no**'}); "
       f"the all-reduced gradients differ there, in {d['elements_differing']:,} of {d['elements']:,} elements (by up to "
       f"{d['max_relative_diff']:.1e} relative), and the weights after every step from then on. DDP rebuilds its "
       "gradient bucket after its first iterations in the order the gradients became ready; the fault-free run has "
-      "rebuilt it by then, the relaunched job, a fresh DDP, has not (has_rebuilt_buckets: "
-      f"{d['rebuilt_at_first']['fault_free']} against {d['rebuilt_at_first']['resumed']}), and gloo sums an element "
+      "rebuilt it by then, the relaunched job, a fresh DDP, has not (DDP's has_rebuilt_buckets at that step: "
+      f"{'yes' if d['rebuilt_at_first']['fault_free'] else 'not yet'} in the fault-free run, "
+      f"{'yes' if d['rebuilt_at_first']['resumed'] else 'not yet'} in the resumed one), and gloo sums an element "
       "in an order set by its place in the bucket. With `DistributedDataParallel(find_unused_parameters=True)`, "
       "which never rebuilds, the same kill and resume end "
       + ("bit-identical: every step's reduced gradients and the final weights equal the fault-free run's. "
@@ -246,11 +274,7 @@ def write_report(res: dict) -> None:
       "same weights (where they do not, the tool's fault-free trajectory itself depends on timing).\n")
     w("How each tool recovers here: torchrun's agent sees the worker die, stops the other three, relaunches all four "
       "(fresh interpreters that import torch), which load the last checkpoint and recompute the steps since. "
-      "torchft's survivors' all-reduce fails (the dead peer's ring neighbours at once, the others after the "
-      "process-group timeout, 5 s here), the step is not committed, the next quorum goes on with 3 replicas; the "
-      "killed replica's own torchrun relaunches it, and it would heal from a peer at a later quorum (the other three "
-      "finish first in this short run: the harness stops once it has been relaunched). The steps trained with 3 "
-      "replicas average 3 slots instead of 4, so neither the data nor the weights match the fault-free run. keel "
+      f"torchft: {torchft_story(tools.get('torchft'))} keel "
       "`absorb`: survivors re-form in place, the dead worker's slot moves to a survivor, the interrupted step is "
       "redone with the same samples and the exact reduction; keel `checkpoint_restart`: the baseline keel models, "
       "every worker relaunched as a fresh interpreter from the last checkpoint.\n")
