@@ -79,6 +79,7 @@ class Supervisor:
         self.hang_s = max(2.0, silence_s() / 3)  # a successor must be up before the workers give up
         self.procs: dict[int, tuple[str, LocalProcess]] = {}  # pid -> (node, process) for workers started here
         self.exited: dict[int, int | None] = {}
+        self.deaths: list[dict[str, Any]] = []  # every coordinator death: n, when noticed, how
         self.incarnation = 0
         self.coord: subprocess.Popen | None = None
         self.link: Channel | None = None
@@ -197,7 +198,10 @@ class Supervisor:
               f"({self.incarnation} of at most {self.restarts})", file=sys.stderr, flush=True)
         self._reap()
         live = {node: pid for pid, (node, p) in self.procs.items() if pid not in self.exited}
-        self._start_coordinator({"noticed": noticed, "how": self.died_how, "workers": live,
+        # all of them: a successor that dies before it has logged its predecessor's death
+        # leaves that to the next (snapshot.py keeps which it has logged)
+        self.deaths.append({"n": len(self.deaths), "noticed": noticed, "how": self.died_how})
+        self._start_coordinator({"deaths": self.deaths, "workers": live,
                                  "exited": {str(pid): rc for pid, rc in self.exited.items()}})
 
     def _verdict(self, msg: dict[str, Any]) -> dict[str, Any]:

@@ -45,17 +45,18 @@ def _session(sid: int) -> set[int]:
     return out
 
 
-def _coordinator(supervisor: int) -> int | None:
-    """The pid of the coordinator process `keel run` (pid `supervisor`) runs now."""
-    for d in os.listdir("/proc"):
-        f = _stat(d) if d.isdigit() else None
-        if f and int(f[1]) == supervisor and f[0] != "Z":
-            try:
-                if b"runtime.coordinator" in Path(f"/proc/{d}/cmdline").read_bytes():
-                    return int(d)
-            except OSError:
-                continue
-    return None
+def _coordinator(out: Path, other_than: int | None = None, timeout: float = 30) -> int:
+    """The pid of the run's coordinator now (coordinator.json says it; the supervisor's other
+    child is the standby), once it is not `other_than`."""
+    def current():
+        try:
+            pid = json.loads((out / "coordinator.json").read_text())["pid"]
+        except (OSError, ValueError, KeyError):
+            return None
+        f = _stat(pid)
+        return pid if f and f[0] not in "ZT" and pid != other_than else None
+    assert _wait(lambda: current() is not None, timeout), "no coordinator found"
+    return current()
 
 
 def _wait(pred, timeout: float) -> bool:
@@ -127,12 +128,12 @@ def test_a_killed_coordinator_is_replaced_and_the_run_carries_on(tmp_path, recor
     proc, out = _start(tmp_path, steps, {"KEEL_COORDINATOR_RESTARTS": str(kills)})
     workers = _workers(out)
     try:
+        pid = None
         for _ in range(kills):
+            pid = _coordinator(out, other_than=pid)
             time.sleep(rng.uniform(0.0, 1.5))
-            pid = _coordinator(proc.pid)
-            assert pid is not None and proc.poll() is None, "the run ended before its coordinator was killed"
+            assert proc.poll() is None, "the run ended before its coordinator was killed"
             os.kill(pid, signal.SIGKILL)
-            assert _wait(lambda: _coordinator(proc.pid) not in (None, pid), 30), "no successor started"
         stdout, stderr = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -153,7 +154,7 @@ def test_a_hung_coordinator_is_replaced(tmp_path, record):
     proc, out = _start(tmp_path, 200, {"KEEL_COORDINATOR_SILENCE_S": "12"})
     try:
         assert _wait(lambda: _steps(out) >= 20, 60)
-        pid = _coordinator(proc.pid)
+        pid = _coordinator(out)
         os.kill(pid, signal.SIGSTOP)
         stdout, stderr = proc.communicate(timeout=240)
     finally:
@@ -216,7 +217,7 @@ def test_a_hung_job_s_workers_exit_after_the_stated_silence(tmp_path, record):
     sid = proc.pid
     workers = _workers(out)
     assert len(workers) == 5 and workers <= _session(sid)
-    coord = _coordinator(proc.pid)
+    coord = _coordinator(out)
     os.kill(proc.pid, signal.SIGSTOP)
     os.kill(coord, signal.SIGSTOP)
     try:

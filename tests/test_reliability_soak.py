@@ -15,8 +15,8 @@ recover_end, then a commit; tests/test_reliability_faults.py's check_run); the f
 and every loss bit-identical to the reference run, which is the run of only its data faults
 (a NaN shard changes the data by design, every other fault must change no bit); and the
 survivors' memory flat: the resident set, open descriptors and threads of each worker that
-lived through the whole run, sampled from /proc after the first steps and at the end (it
-held once each generation's old gloo groups were aborted and dropped, runtime/groups.py:
+lived through the whole run, sampled from /proc after the first steps, mid-run and at the end
+(it held once each generation's old gloo groups were aborted and dropped, runtime/groups.py:
 before, each survivor kept ~3 threads and ~6 descriptors per generation).
 """
 from __future__ import annotations
@@ -45,8 +45,8 @@ KILLS = [(0.10, {"class": "partial_cluster_loss", "target": "a", "nodes": 1}),  
          (0.85, {"class": "hardware_fault", "target": "b/0"})]
 SPIKE_GAP = 30       # steps between spikes: the same node again only every 3 x 30 steps
 TAIL = 80            # steps after the last fault (the last spike is 25 before it)
-# growth of a survivor's resident set over the run that still counts as flat
-RSS_SLACK_BYTES = 16 * 2**20
+# growth of a survivor's resident set over the second half of the run that still counts as flat
+RSS_SLACK_BYTES = 8 * 2**20
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(900 if FULL else 300)]
 
@@ -161,7 +161,8 @@ def soak(tmp_path_factory) -> dict[str, Any]:
         series = [s for s in sampler.samples.get(pid, []) if s[0] >= 20]
         assert len(series) >= 2, (node, sampler.samples.get(pid))
         (s0, rss0, fd0, th0), (s1, rss1, fd1, th1) = series[0], series[-1]
-        memory[node] = {"steps": [s0, s1], "rss_mib": [round(rss0 / 2**20, 1), round(rss1 / 2**20, 1)],
+        mid = series[len(series) // 2]
+        memory[node] = {"steps": [s0, mid[0], s1], "rss_mib": [round(x / 2**20, 1) for x in (rss0, mid[1], rss1)],
                         "fds": [fd0, fd1], "threads": [th0, th1]}
     print(json.dumps({"soak_memory": memory, "generations": summary["generations"]}))
     return {"schedule": schedule, "steps": steps, "summary": summary, "events": events, "wall_s": wall,
@@ -181,14 +182,17 @@ def test_soak(soak, record):
     note_run(record, "soak", tally, soak["wall_s"], steps=steps, generations=summary["generations"],
              quarantined=len(summary["quarantine"]))
     record.note("survivors after step 20 -> at the end (MiB resident; open descriptors; threads)",
-                ", ".join(f"{n} {m['rss_mib'][0]} -> {m['rss_mib'][1]}; {m['fds'][0]} -> {m['fds'][1]}; "
+                ", ".join(f"{n} {m['rss_mib'][0]} -> {m['rss_mib'][2]}; {m['fds'][0]} -> {m['fds'][1]}; "
                           f"{m['threads'][0]} -> {m['threads'][1]}" for n, m in soak["memory"].items()))
 
 
 def test_soak_survivors_flat(soak):
-    """The survivors' threads, descriptors and resident set at the end of the soak are what
-    they were after its first steps (a little slack for the allocator and the store pool)."""
+    """The survivors' threads and descriptors at the end of the soak are what they were after
+    its first steps (a little slack for the store pool), and their resident set no longer grows
+    over its second half. It rises in the first (a survivor's RSS +5-17 MiB by mid-run in the
+    full soak, 4 Dec, then +0.2-3.5 MiB to the end: allocator arenas and caches filling, not a
+    cost per generation); the old leak, ~0.4 MiB a generation, would add ~11 MiB there."""
     for node, m in soak["memory"].items():
         assert m["threads"][1] <= m["threads"][0] + 4, f"{node}: threads {m}"
         assert m["fds"][1] <= m["fds"][0] + 16, f"{node}: open descriptors {m}"
-        assert (m["rss_mib"][1] - m["rss_mib"][0]) * 2**20 < RSS_SLACK_BYTES, f"{node}: resident set {m}"
+        assert (m["rss_mib"][2] - m["rss_mib"][1]) * 2**20 < RSS_SLACK_BYTES, f"{node}: resident set {m}"

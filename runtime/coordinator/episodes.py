@@ -116,9 +116,13 @@ class EpisodeBook:
                 return ep
         return None
 
-    def node_recovery_under_way(self) -> bool:
-        """A node fault has struck and is not over (a kill due now waits for the next generation)."""
-        return any(not ep.ended and ep.nodes and ep.cls != "network_jitter" for ep in self.episodes.values())
+    def node_recovery_under_way(self, members) -> bool:
+        """A node fault has struck one of the generation's `members` and is not over (a kill due
+        now waits for the next generation, to land during the recovery). One that struck only
+        spares re-forms nothing: nothing waits for it (whether its loss is detected yet or not,
+        which is a matter of timing)."""
+        return any(not ep.ended and ep.cls != "network_jitter" and any(n in members for n in ep.nodes)
+                   for ep in self.episodes.values())
 
     def due(self, gen: int, step: int | None, now: float | None = None) -> list[Episode]:
         return [ep for ep in self.episodes.values() if ep.due(gen, step, now)]

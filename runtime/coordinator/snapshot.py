@@ -33,14 +33,14 @@ REJOIN_GRACE_S = 2.0     # wall seconds a successor adds to its detection timeou
 
 _WORKER_FIELDS = ("pid", "alive", "joined", "committed", "role", "parked", "machine_down", "done_sha", "ready_gen")
 _SCALARS = ("t0", "gen", "phase", "gen_start_step", "start_step", "fired", "restarts", "not_before",
-            "load_path", "final_sha", "last_commit_t")
+            "load_path", "final_sha", "last_commit_t", "deaths_logged")
 
 
 def snapshot(c: Any) -> dict[str, Any]:
     """Everything the event log does not say, as plain JSON."""
     w = c.watch
     return {
-        "version": VERSION, "n_events": len(c.log.events) - c.events_start,
+        "version": VERSION, "n_events": len(c.log.events) - c.events_start, "pid": os.getpid(),
         **{k: getattr(c, k) for k in _SCALARS},
         "members": c.members, "slot_map": c.slot_map, "quarantine": sorted(c.quarantine),
         "to_park": c.to_park, "to_unpark": c.to_unpark, "checkpoints": c.checkpoints,
@@ -143,6 +143,8 @@ def _replay(c: Any, tail: list[Event]) -> None:
                 c.fired = max(c.fired, int(e.detail["planned"]) + 1)
         elif ep is not None and e.kind == "detect":
             ep.detect(e.t)
+            if "death" in e.detail:
+                c.deaths_logged = max(c.deaths_logged, int(e.detail["death"]))
         elif ep is not None and e.kind == "recover_start":
             ep.start_recovery()
         elif ep is not None and e.kind == "recover_end":

@@ -40,6 +40,7 @@ class SuccessionMixin:
         self.exits: dict[int, int | None] = {}   # worker pid -> exit code, as the supervisor says
         self.spawned: dict[str, int] = {}
         self.link_hb = 0.0
+        self.deaths_logged = -1   # the supervisor's number of the last coordinator death logged
         if recover is not None:
             snapshot.restore(self, snapshot.load(self.out))
 
@@ -88,41 +89,56 @@ class SuccessionMixin:
 
     def begin_succession(self) -> None:
         rec = self.recover
-        noticed = max(0.0, (float(rec["noticed"]) - self.t0) / self.scale)  # monotonic is machine-wide
         live = {int(pid) for pid in rec["workers"].values()}
         self.exits.update({int(pid): rc for pid, rc in rec["exited"].items()})
         for w in self.workers.values():
             w.chan = None
             if w.pid in live or w.pid in self.exits:
                 w.proc = SupervisedProcess(self, w.pid)
-        ep = next((e for e in self.book if e.cls == "coordinator_loss" and e.stage == Stage.STRUCK), None)
-        if ep is None:  # nobody injected this: a real death (or a hang the supervisor ended)
-            ep = self._new_episode("coordinator_loss", "coordinator", t=noticed, mode="external", how=rec["how"])
-        ep.detect(noticed)
-        self.emit_ep("detect", ep, t=noticed, how=rec["how"], detect_s=noticed - ep.t)
-        ep.start_recovery(self.now())
-        self.emit_ep("recover_start", ep, gen=self.gen, incarnation=self.incarnation, pid=os.getpid(),
-                     start_s=self.now() - noticed)
+        first = ep = None
+        for death in rec["deaths"]:  # those no predecessor logged (one died before it could)
+            if death["n"] <= self.deaths_logged:
+                continue
+            noticed = max(0.0, (float(death["noticed"]) - self.t0) / self.scale)  # monotonic is machine-wide
+            first = noticed if first is None else first
+            ep = next((e for e in self.book if e.cls == "coordinator_loss" and e.stage == Stage.STRUCK), None)
+            if ep is None:  # nobody injected this: a real death (or a hang the supervisor ended)
+                ep = self._new_episode("coordinator_loss", "coordinator", t=noticed, mode="external", how=death["how"])
+            ep.detect(noticed)
+            self.emit_ep("detect", ep, t=noticed, how=death["how"], detect_s=noticed - ep.t, death=death["n"])
+            ep.start_recovery(self.now())
+            self.emit_ep("recover_start", ep, gen=self.gen, incarnation=self.incarnation, pid=os.getpid(),
+                         start_s=self.now() - noticed)
+            self.deaths_logged = death["n"]
         was = self.phase
         if was == "finished":
             return
-        if self.policy.kind == "checkpoint_restart" and was != "finishing":
+        if self.policy.kind == "checkpoint_restart" and was != "finishing" and ep is not None:
             self.phase = "running"  # _restart relaunches from any phase but its own
             self._restart(ep)
+            self._end_with_next_generation()
             return
         self.succeeding = True
         self.gen += 1  # past any generation the dead one may have announced without saving it
-        self.t_abort = noticed  # abort_s: from the death to the next announcement
+        self.t_abort = first if first is not None else self.now()  # abort_s: from the death to the next announcement
         now = time.monotonic()
         if was in ("joining", "restarting"):  # no generation yet: every live worker (re)joins
             for w in self.workers.values():
                 w.joined = False
             self.phase = "joining"
             self.join_deadline = now + JOIN_TIMEOUT_S
+            self._end_with_next_generation()
             return
         self.phase = "aborting"
         self.pending_acks = {m for m in self.members if self.workers[m].alive}
         self.abort_deadline = now + max(2.0, 2 * self.policy.detect_timeout_s * self.scale) + snapshot.REJOIN_GRACE_S
+
+    def _end_with_next_generation(self) -> None:
+        """Episodes under recovery end at the first commit of the next generation (as
+        _next_generation has them end after an abort)."""
+        for e in self.book:
+            if e.recovering and e.end_gen is None:
+                e.end_gen = self.gen + 1
 
     def on_rejoin(self, chan: Any, msg: dict[str, Any]) -> str | None:
         """A worker of the dead coordinator's; its node, or None if not taken back (one this
