@@ -129,12 +129,12 @@ class Supervisor:
             self.coord, self.link = self.standby
         else:
             self.coord, self.link = self._launch()
-        self.standby = self._launch() if self.incarnation < self.restarts else None
         self.link.send({"type": "init", "scenario": self.sc.plain(), "source": self.sc.source,
                         "out_dir": str(self.out), "spawn": self.spawn_local, "host": self.host, "port": self.port,
                         "store_port": self.store_port, "options": self.options, "recover": recover,
                         "incarnation": self.incarnation})
         self.heard: float | None = None  # the hang watch starts with its first message
+        self.standby = self._launch() if self.incarnation < self.restarts else None
 
     def run(self) -> dict[str, Any]:
         """Run the job to its end; the coordinator's summary. Raises RunFailed or InputError

@@ -120,7 +120,10 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
                   fault=fault, target=target, action=action, detail=detail)
         self.log.emit(e)
         self.last_event_was_commit = kind == "step"
-        self.dirty = True
+        if kind == "step":  # the log has it: the snapshot may lag a commit by SNAPSHOT_EVERY_S
+            self.dirty_commits = True
+        else:
+            self.dirty = True
         return e
 
     # ------------------------------------------------------------------------- resume
@@ -228,9 +231,10 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
         stall = max(STALL_MIN_S, 20 * self.policy.detect_timeout_s)
         if self.phase in ("running", "aborting", "finishing") and now - self.last_progress > stall:
             self.failure = self._stall(stall)
-        if self.dirty:  # what a successor would need (snapshot.py)
-            snapshot.save(self)
-            self.dirty = False
+        if self.dirty or (self.dirty_commits and now - self.saved_t > snapshot.SNAPSHOT_EVERY_S):
+            snapshot.save(self)  # what a successor would need
+            self.dirty = self.dirty_commits = False
+            self.saved_t = now
 
     def _read(self, key: selectors.SelectorKey) -> None:
         chan, node = key.data if isinstance(key.data, tuple) else (key.data, None)

@@ -4,7 +4,8 @@ coordinator process dies (runtime/supervisor.py starts it).
 Two files in the run directory hold it. `events.jsonl` (flushed as written) is the truth for
 what happened: steps committed and their losses, faults and their episodes' stages, the
 quarantine, checkpoints. `coordinator.json` (written whole, fsynced, then renamed over the
-old one, at the end of every loop turn that changed something) holds the rest: the
+old one, at the end of every loop turn that changed something, but at most once a second for
+turns that only committed steps) holds the rest: the
 generation, its members and slot map, what is known of each worker, the fault schedule's
 progress, the straggler watch, timings. It names how many of the run's events it covers; a
 successor replays the events beyond that (`_replay`), so a death between an event and the
@@ -28,6 +29,7 @@ from runtime.coordinator.workers import WorkerState
 
 STATE_FILE = "coordinator.json"
 VERSION = 1
+SNAPSHOT_EVERY_S = 1.0   # a loop turn that only committed steps saves at most this often
 KEEP_INTERVALS = 10_000  # clean commit intervals kept for the step-time median
 REJOIN_GRACE_S = 2.0     # wall seconds a successor adds to its detection timeouts for rejoins
 

@@ -37,6 +37,8 @@ class SuccessionMixin:
         self.incarnation = incarnation
         self.succeeding = False   # between a successor's start and its first announcement
         self.dirty = False        # something the snapshot holds changed this loop turn
+        self.dirty_commits = False  # steps were committed since the last snapshot (the log has them)
+        self.saved_t = 0.0
         self.exits: dict[int, int | None] = {}   # worker pid -> exit code, as the supervisor says
         self.spawned: dict[str, int] = {}
         self.link_hb = 0.0
