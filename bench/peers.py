@@ -417,12 +417,14 @@ class Job:
                 pass
 
     def close(self) -> None:
-        self.signal(signal.SIGCONT)
+        # SIGKILL before SIGCONT: a frozen job let run first could log one more commit, a window
+        # of its own after the last turn (a timing session saw one, 4 Dec)
         for pid in self.tree():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        self.signal(signal.SIGCONT)
         for p in self.roots:
             p.wait()
         if self.closing is not None:
@@ -479,7 +481,7 @@ def windows(times: list[float], gap_s: float) -> list[list[float]]:
     return out
 
 
-def paired_session(tool: str, cfg: Config, out: Path, cycles: int, window_s: float) -> dict:
+def paired_session(tool: str, cfg: Config, out: Path, cycles: int, window_s: float, min_commits: int = 5) -> dict:
     """`tool` and plain DDP launched together; once both are past WARMUP_STEPS they take turns
     on the machine, the other one frozen: D T D T ... D, `window_s` each. A window's time per
     step is its span over the steps committed in it (the job's log cut where it stood still); a
@@ -510,10 +512,11 @@ def paired_session(tool: str, cfg: Config, out: Path, cycles: int, window_s: flo
     d = windows([t for t in commit_times(out / "baseline") if t >= start], window_s / 2)[-(cycles + 1):]
     t = windows(commit_times(out / "timed"), window_s / 2)[-cycles:]
     spans = [w[-1] - w[0] for w in d + t]
-    if len(d) != cycles + 1 or len(t) != cycles or min(map(len, d + t)) < 5 or max(spans) > 1.2 * window_s:
+    if (len(d) != cycles + 1 or len(t) != cycles or min(map(len, d + t)) < min_commits
+            or max(spans) > 1.2 * window_s):
         raise RuntimeError(f"timing session {tool} ({out}): {len(d)} DDP and {len(t)} {tool} windows of "
                            f"{min(map(len, d + t), default=0)}+ commits over at most {max(spans, default=0):.2f} s "
-                           f"(expected {cycles + 1} and {cycles}, 5+ commits each, none longer than a turn)")
+                           f"(expected {cycles + 1} and {cycles}, {min_commits}+ commits each, none longer than a turn)")
     ds, ts = [(w[-1] - w[0]) / (len(w) - 1) for w in d], [(w[-1] - w[0]) / (len(w) - 1) for w in t]
     ratios = [x / math.sqrt(ds[i] * ds[i + 1]) for i, x in enumerate(ts)]
     mean, ci = geometric_mean_ci(ratios)

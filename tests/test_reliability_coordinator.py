@@ -187,7 +187,10 @@ def test_a_scheduled_coordinator_loss(tmp_path, policy, record):
     else:
         assert kinds == ["fault", "detect", "recover_start", "restart", "recover_end"]
         restart = next(e for e in events if e.kind == "restart")
-        assert restart.detail["from_step"] == 10 and restart.detail["lost_steps"] == 0
+        # the newest complete checkpoint at or before the committed step: step 10's is written
+        # in the background, and a quick successor may find it not yet complete (then step 5's)
+        assert restart.detail["from_step"] in (5, 10)
+        assert restart.detail["lost_steps"] == 10 - restart.detail["from_step"]
         assert summary["restarts"] == 1 and all(len(p) == 2 for p in summary["pids"].values())
     record(trials=1, faults_survived=1)
 

@@ -160,7 +160,11 @@ def soak(tmp_path_factory) -> dict[str, Any]:
         (pid,) = summary["pids"][node]
         series = [s for s in sampler.samples.get(pid, []) if s[0] >= 20]
         assert len(series) >= 2, (node, sampler.samples.get(pid))
-        (s0, rss0, fd0, th0), (s1, rss1, fd1, th1) = series[0], series[-1]
+        (s0, rss0, _, _), (s1, rss1, _, _) = series[0], series[-1]
+        # threads and descriptors: the fewest over the first and the last five samples (threads
+        # that come and go: a store pool refill sleeps 2-10 s, a group reaper lives ~50 ms)
+        fd0, th0 = min(x[2] for x in series[:5]), min(x[3] for x in series[:5])
+        fd1, th1 = min(x[2] for x in series[-5:]), min(x[3] for x in series[-5:])
         mid = series[len(series) // 2]
         memory[node] = {"steps": [s0, mid[0], s1], "rss_mib": [round(x / 2**20, 1) for x in (rss0, mid[1], rss1)],
                         "fds": [fd0, fd1], "threads": [th0, th1]}
