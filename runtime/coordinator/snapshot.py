@@ -128,6 +128,8 @@ def restore(c: Any, state: dict[str, Any]) -> None:
         if e.kind == "step":
             c.committed = e.step
             c.losses[e.step] = e.detail["loss"]
+        elif e.kind == "restart":  # checkpoint_restart rolled the run back to its checkpoint
+            c.committed = int(e.detail["from_step"])
     _replay(c, events[state["n_events"]:])
 
 
