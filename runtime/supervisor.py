@@ -80,6 +80,7 @@ class Supervisor:
         self.procs: dict[int, tuple[str, LocalProcess]] = {}  # pid -> (node, process) for workers started here
         self.exited: dict[int, int | None] = {}
         self.deaths: list[dict[str, Any]] = []  # every coordinator death: n, when noticed, how
+        self.dying = ""  # what the coordinator said it is killed by (a scheduled coordinator_loss)
         self.incarnation = 0
         self.coord: subprocess.Popen | None = None
         self.link: Channel | None = None
@@ -160,19 +161,14 @@ class Supervisor:
                     self.link = None
             else:
                 for msg in msgs:
-                    self.heard = time.monotonic()
-                    kind = msg.get("type")
-                    if kind == "spawn":
-                        self._spawn(str(msg["node"]), bool(msg.get("fresh")))
-                    elif kind in ("result", "failed"):
-                        verdict = msg
+                    verdict = self._on_message(msg) or verdict
             self._reap()
             rc = self.coord.poll()
             if rc is not None:
-                if verdict is None and self.link is not None:  # read what it said before it died
+                if self.link is not None:  # what it said before it died (no worker is started for it now)
                     for msg in self.link.recv_ready() or []:
-                        if msg.get("type") in ("result", "failed"):
-                            verdict = msg
+                        if msg.get("type") != "spawn":
+                            verdict = self._on_message(msg) or verdict
                 self.died_how = f"exit code {rc}" if rc >= 0 else f"signal {signal.Signals(-rc).name}"
                 return verdict
             if verdict is None and self.heard is not None and time.monotonic() - self.heard > self.hang_s:
@@ -185,6 +181,16 @@ class Supervisor:
             if msgs == [] or msgs is None:
                 time.sleep(POLL_S)
 
+    def _on_message(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """Handle one message from the coordinator; the run's verdict if it is one."""
+        self.heard = time.monotonic()
+        kind = msg.get("type")
+        if kind == "spawn":
+            self._spawn(str(msg["node"]), bool(msg.get("fresh")))
+        elif kind == "dying":  # an injected loss: say so, not only that it died
+            self.dying = str(msg.get("why", ""))
+        return msg if kind in ("result", "failed") else None
+
     def _replace(self) -> None:
         noticed = time.monotonic()
         if self.link is not None:
@@ -194,7 +200,9 @@ class Supervisor:
             raise RunFailed(f"the coordinator died ({self.died_how}) after {self.restarts} restart(s); "
                             f"keel run --resume {self.out} continues from the newest checkpoint")
         self.incarnation += 1
-        print(f"keel: the coordinator died ({self.died_how}); starting its successor "
+        why = f"was killed by {self.dying}" if self.dying else f"died ({self.died_how})"
+        self.dying = ""
+        print(f"keel: the coordinator {why}; starting its successor "
               f"({self.incarnation} of at most {self.restarts})", file=sys.stderr, flush=True)
         self._reap()
         live = {node: pid for pid, (node, p) in self.procs.items() if pid not in self.exited}

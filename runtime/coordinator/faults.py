@@ -72,6 +72,8 @@ class FaultsMixin:
         if p.mode == "coordinator":  # this process dies by a real SIGKILL, its state saved; the supervisor replaces it
             self._new_episode(p.cls, p.target, mode="kill", pid=os.getpid(), planned=planned)
             snapshot.save(self)
+            self.link.sock.setblocking(True)
+            self.link.send({"type": "dying", "why": f"the scheduled coordinator_loss at step {p.at_step}"})
             os.kill(os.getpid(), signal.SIGKILL)
         if p.mode == "poison":
             if R.shard_skipped(self.policy.quarantine, {f"shard/{s}" for s in self.quarantine}, p.target):
