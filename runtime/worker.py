@@ -33,7 +33,7 @@ from runtime.inject import CommGate, kill_self, poisoned_at
 from runtime.protocol import COORDINATOR_SILENCE_S, SECRET_ENV, ProtocolError, env_secret, parse_address
 from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter
 from runtime.worker_checkpoint import CheckpointMixin
-from runtime.worker_link import CoordinatorLink, Refused, handshake
+from runtime.worker_link import CoordinatorLink, Refused, RejoinMixin, handshake
 from runtime.worker_state import StateMixin
 
 BOUND_HEADROOM = 256.0  # slot values may exceed the first moment this much and still take one round
@@ -63,7 +63,7 @@ def _pick_device(device: str, backend: str, local_index: int) -> str:
     return device
 
 
-class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin):
+class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
     def __init__(self, address: str, node: str | None, rank_hint: int | None):
         t_start = time.perf_counter()
         host, welcome = self._join(address, node, rank_hint)
@@ -179,32 +179,6 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin):
                 kill_self()
             else:
                 self.inbox.put(msg)
-
-    def _abort(self, gen: int) -> None:
-        self.abort_gen = max(self.abort_gen, gen)
-        self.abort_event.set()
-        self.waiter.interrupt()
-
-    def _rejoin(self) -> bool:
-        """Rejoin a successor coordinator (worker_link.py). What the dead one sent and this
-        worker has not acted on is dropped; the generation it is in is left (the successor
-        forms the next one), and so is any it may still find queued."""
-        hello = lambda: {"node": self.node, "rejoin": {  # noqa: E731
-            "gen": self.gen, "committed": self.committed, "in_gen": self.gen >= 0 and self.acked_gen < self.gen}}
-        welcome = self.chan.rejoin(hello, lambda: self.stopping)
-        if welcome is None:
-            return False
-        while True:
-            try:
-                self.inbox.get_nowait()
-            except queue.Empty:
-                break
-        print(f"worker {self.node}: rejoined the coordinator (gen {self.gen}, step {self.committed})",
-              file=sys.stderr, flush=True)
-        self._abort(max(self.gen, int(welcome.get("gen", -1))))
-        if self.gen >= 0 and self.acked_gen < self.gen:
-            self.inbox.put({"type": "abort", "gen": self.gen})  # if idle, serve() says it left
-        return True
 
     def _heartbeat(self) -> None:
         period = self.scenario.policy.heartbeat_s * self.scale

@@ -13,7 +13,9 @@ it heard, or is refused, gives up (exit 3): no worker outlives its job.
 from __future__ import annotations
 
 import os
+import queue
 import socket
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -127,3 +129,33 @@ class CoordinatorLink:
 
     def close(self) -> None:
         self.chan.close()
+
+
+class RejoinMixin:
+    """The worker's side of a coordinator's succession (a mixin of runtime.worker.Worker)."""
+
+    def _abort(self, gen: int) -> None:
+        self.abort_gen = max(self.abort_gen, gen)
+        self.abort_event.set()
+        self.waiter.interrupt()
+
+    def _rejoin(self) -> bool:
+        """Rejoin a successor coordinator (module docstring). What the dead one sent and this
+        worker has not acted on is dropped; the generation it is in is left (the successor
+        forms the next one), and so is any it may still find queued."""
+        hello = lambda: {"node": self.node, "rejoin": {  # noqa: E731
+            "gen": self.gen, "committed": self.committed, "in_gen": self.gen >= 0 and self.acked_gen < self.gen}}
+        welcome = self.chan.rejoin(hello, lambda: self.stopping)
+        if welcome is None:
+            return False
+        while True:
+            try:
+                self.inbox.get_nowait()
+            except queue.Empty:
+                break
+        print(f"worker {self.node}: rejoined the coordinator (gen {self.gen}, step {self.committed})",
+              file=sys.stderr, flush=True)
+        self._abort(max(self.gen, int(welcome.get("gen", -1))))
+        if self.gen >= 0 and self.acked_gen < self.gen:
+            self.inbox.put({"type": "abort", "gen": self.gen})  # if idle, serve() says it left
+        return True

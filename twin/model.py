@@ -9,10 +9,12 @@ Where things live in twin/:
   the step model reads (plain state, no SimPy).
 - cost.py: `StepCost`: the step-cost maths (a step's `StepShape`, state copies, checkpoint
   shares) over the cluster, TwinParams and the Topology.
-- steps.py: `StepShape`, drawing a segment's step times; topology.py: the networkx graph and
+- steps.py: `StepShape`, drawing a segment's step times, and `Segment`, steps drawn at once;
+  topology.py: the networkx graph and
   the routed costs (reduction, spike delay, transfer bandwidth).
 - faults.py: `Faults`: drawn arrivals, the schedule, `strike_*`, detection, repair, spike ends.
 - checkpoints.py: `Checkpoints`: when one is due, its pause, the background write.
+- coordinator.py: what a coordinator's loss does to the trainer (a mixin of `Simulation`).
 - stragglers.py: `Stragglers`: re-slots under absorb that no death forces (a straggler parked
   and brought back, a rejoined spare relieving overloaded nodes).
 - params.py: `TwinParams`, the scenario's figures with a calibration's applied.
@@ -49,23 +51,7 @@ Semantics (docs/design.md for step numbering and fault ids):
   policy.quarantine the shard is quarantined; absorb redoes the step, checkpoint_restart rolls
   back to the last checkpoint (a restart). A drawn NaN on a quarantined shard is skipped.
   Without policy.quarantine the run stops there, failed (`run_end` completed = false).
-- `coordinator_loss`: the coordinator process dies; its supervisor sees the exit at once
-  (`fault`, `detect` with detect_s 0 and `recover_start` at one instant) and its successor
-  has loaded the state and has every worker back `coordinator_restart_s` later (twin/params.py).
-  Under absorb the workers train on meanwhile and nothing of that is lost: the twin modelled
-  it as a re-form with no node lost. The trainer runs on, but commits are held (no `step`
-  event) until the successor is up; then the steps done meanwhile are committed at once (one
-  `step` event), its abort lands (the step in flight is lost: its partial work, nothing
-  else), the job pauses for reform_s (the new process group; no slot moves, no state is
-  copied) and redoes that step. The episode's `recover_end` comes just before the new
-  generation's first commit, with the runtime's detail: downtime_s (fault to then), detect_s
-  0, ack_s (death to the successor up), reform_s (ack_s + the pause), state_s 0, redo_s (the
-  redone step) and gen. Under checkpoint_restart the job stops at the death (what the
-  workers train meanwhile is thrown away by the relaunch; a checkpoint that an async write
-  finishes meanwhile still counts) and, once the successor is up, restarts as below. An
-  episode open when the coordinator dies goes on as modelled (its commits are held too, so
-  its downtime runs to the successor); a node fault during the outage too (simplified: in
-  the runtime nobody re-forms the group until the successor is up).
+- `coordinator_loss`: twin/coordinator.py.
 - `checkpoint_restart`: any node fault or NaN stops the job: a `restart` at detection, the
   dead nodes replaced by hot spares (else by a new node, + replace_node_s), a pause of
   restart_s + checkpoint load (per-node share / read bandwidth), and the steps since the last
@@ -93,7 +79,6 @@ Semantics (docs/design.md for step numbering and fault ids):
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Generator
 
 import numpy as np
@@ -103,11 +88,12 @@ from keel.events import Event
 from keel import recovery as R
 from keel.scenario import Scenario
 from twin.checkpoints import Checkpoints
+from twin.coordinator import CoordinatorLossMixin
 from twin.cluster import Cluster
 from twin.cost import StepCost
 from twin.faults import Cause, Faults
 from twin.params import TwinParams
-from twin.steps import NormalPool
+from twin.steps import NormalPool, Segment
 from twin.stragglers import Stragglers
 from twin.topology import Topology
 
@@ -118,27 +104,7 @@ MAX_SEGMENT_STEPS = 1000
 WALL_LIMIT_FACTOR = 20.0
 
 
-@dataclass(slots=True)
-class Segment:
-    """Steps drawn at once: `cum[i]` is when step first_step + i + 1 commits, after `start`."""
-    start: float
-    first_step: int
-    cum: np.ndarray
-    nan: bool = False
-
-    def committed_by(self, t: float) -> int:
-        if self.nan:
-            return 0
-        return int(np.searchsorted(self.cum, t - self.start, side="right"))
-
-    def first_after(self, t: float) -> int:
-        return int(np.searchsorted(self.cum, t - self.start, side="right"))
-
-    def commit_time(self, index: int) -> float:
-        return self.start + float(self.cum[index])
-
-
-class Simulation:
+class Simulation(CoordinatorLossMixin):
     """One seeded run: `Simulation(scenario, params, seed, topology=None).run()` -> events."""
 
     def __init__(self, scenario: Scenario, params: TwinParams, seed: int, topology: Topology | None = None):
@@ -179,14 +145,7 @@ class Simulation:
         self.nan_pending: list[int] = []
         self.rejoined = False
         self.quarantined: set[str] = set()
-        # coordinator_loss: fault id -> when the coordinator died, until its successor is up
-        self.outages: dict[int, float] = {}
-        self.failovers: dict[int, tuple[float, float]] = {}  # fault id -> (died, successor up), absorb
-        self.hold_from: float | None = None            # absorb: commits after this wait for the successor
-        self.held = False                              # some commit was held since
-        self.committed_when_held = 0
-        # absorb: recover_end of failovers, written just before the next commit
-        self.pending_ends: list[tuple[int, float, float, dict[str, Any]]] = []  # (id, died, formed, detail)
+        self.init_coordinator_loss()
         self.failure: str | None = None  # why the run stopped, failed (see keel.recovery.FAIL_ACTION)
         self.wall_limit_s = WALL_LIMIT_FACTOR * scenario.run.steps * self.healthy_step_s
         self.trainer = self.env.process(self._trainer())
@@ -345,52 +304,6 @@ class Simulation:
             self.carry_s = None  # the job stops (checkpoint_restart)
         elif cause.kind == "coordinator_up":
             self._coordinator_up(fid)
-
-    # ------------------------------------------------------------------ coordinator loss
-    def coordinator_down(self, fid: int) -> None:
-        """The coordinator died (module docstring): under absorb commits are held from now on,
-        under checkpoint_restart the job stops."""
-        self.outages[fid] = self.env.now
-        if not self.absorb:
-            self.notify(Cause("coordinator_down", fid, interrupts_run=True, aborts_pause=True))
-        elif self.hold_from is None:
-            self.hold_from = self.env.now
-            self.committed_when_held = self.committed_now()
-
-    def _coordinator_up(self, fid: int) -> None:
-        """The successor is up: it commits what the workers did meanwhile and aborts the step in
-        flight; the job re-forms (absorb) or restarts from the last checkpoint."""
-        died = self.outages.pop(fid)
-        self.carry_s = None
-        if not self.absorb:
-            self.restart_for.append(fid)
-            return
-        self.failovers[fid] = (died, self.env.now)
-        if not self.outages:
-            if self.held:
-                self._append_step(self.env.now, self.committed, self.committed_when_held)
-            self.hold_from, self.held = None, False
-        self.awaiting_recovery.append(fid)
-        self.recovery_s = max(self.recovery_s, self.params.reform_s)
-
-    def _failover_done(self, fid: int) -> None:
-        """A failover's new generation is formed: its recover_end comes just before the next
-        commit (`_flush_ends`), or now if the run has no step left."""
-        now = self.env.now
-        died, up = self.failovers.pop(fid)
-        detail = {"detect_s": 0.0, "ack_s": round(up - died, 6), "reform_s": round(now - died, 6),
-                  "state_s": 0.0, "gen": self.gen}
-        self.pending_ends.append((fid, died, now, detail))
-        self.pending_first_since = now  # so that the next commit is logged
-        if self.committed >= self.scenario.run.steps:
-            self._flush_ends(now, self.committed)
-
-    def _flush_ends(self, t: float, step: int) -> None:
-        for fid, died, formed, detail in self.pending_ends:
-            info = self.faults.info[fid]
-            detail = {"fault_id": fid, "downtime_s": round(t - died, 6), **detail, "redo_s": round(t - formed, 6)}
-            self.events.append(Event(round(t, 6), step, "recover_end", info.fault, info.target, info.action, detail))
-        self.pending_ends.clear()
 
     def new_generation(self) -> None:
         self.gen_start = self.committed

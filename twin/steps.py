@@ -141,3 +141,23 @@ def expected_max(groups: tuple[tuple[int, float, float], ...], cv: float, points
         log_cdf += n * np.log(np.maximum(phi, 1e-300))
     survival = 1.0 - np.exp(log_cdf)
     return lo + float(np.sum((survival[1:] + survival[:-1]) * 0.5 * np.diff(y)))
+
+
+@dataclass(slots=True)
+class Segment:
+    """Steps drawn at once: `cum[i]` is when step first_step + i + 1 commits, after `start`."""
+    start: float
+    first_step: int
+    cum: np.ndarray
+    nan: bool = False
+
+    def committed_by(self, t: float) -> int:
+        if self.nan:
+            return 0
+        return int(np.searchsorted(self.cum, t - self.start, side="right"))
+
+    def first_after(self, t: float) -> int:
+        return int(np.searchsorted(self.cum, t - self.start, side="right"))
+
+    def commit_time(self, index: int) -> float:
+        return self.start + float(self.cum[index])

@@ -1,0 +1,83 @@
+"""What a coordinator's loss does to the twin's trainer (a mixin of twin.model.Simulation).
+
+`coordinator_loss`: the coordinator process dies; its supervisor sees the exit at once
+(`fault`, `detect` with detect_s 0 and `recover_start` at one instant) and its successor
+has loaded the state and has every worker back `coordinator_restart_s` later (twin/params.py).
+Under absorb the workers train on meanwhile and nothing of that is lost: the twin modelled
+it as a re-form with no node lost. The trainer runs on, but commits are held (no `step`
+event) until the successor is up; then the steps done meanwhile are committed at once (one
+`step` event), its abort lands (the step in flight is lost: its partial work, nothing
+else), the job pauses for reform_s (the new process group; no slot moves, no state is
+copied) and redoes that step. The episode's `recover_end` comes just before the new
+generation's first commit, with the runtime's detail: downtime_s (fault to then), detect_s
+0, ack_s (death to the successor up), reform_s (ack_s + the pause), state_s 0, redo_s (the
+redone step) and gen. Under checkpoint_restart the job stops at the death (what the
+workers train meanwhile is thrown away by the relaunch; a checkpoint that an async write
+finishes meanwhile still counts) and, once the successor is up, restarts (twin/model.py, `checkpoint_restart`). An
+episode open when the coordinator dies goes on as modelled (its commits are held too, so
+its downtime runs to the successor); a node fault during the outage too (simplified: in
+the runtime nobody re-forms the group until the successor is up).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from keel.events import Event
+from twin.faults import Cause
+
+
+class CoordinatorLossMixin:
+    def init_coordinator_loss(self) -> None:
+        # coordinator_loss: fault id -> when the coordinator died, until its successor is up
+        self.outages: dict[int, float] = {}
+        self.failovers: dict[int, tuple[float, float]] = {}  # fault id -> (died, successor up), absorb
+        self.hold_from: float | None = None            # absorb: commits after this wait for the successor
+        self.held = False                              # some commit was held since
+        self.committed_when_held = 0
+        # absorb: recover_end of failovers, written just before the next commit
+        self.pending_ends: list[tuple[int, float, float, dict[str, Any]]] = []  # (id, died, formed, detail)
+
+    def coordinator_down(self, fid: int) -> None:
+        """The coordinator died (module docstring): under absorb commits are held from now on,
+        under checkpoint_restart the job stops."""
+        self.outages[fid] = self.env.now
+        if not self.absorb:
+            self.notify(Cause("coordinator_down", fid, interrupts_run=True, aborts_pause=True))
+        elif self.hold_from is None:
+            self.hold_from = self.env.now
+            self.committed_when_held = self.committed_now()
+
+    def _coordinator_up(self, fid: int) -> None:
+        """The successor is up: it commits what the workers did meanwhile and aborts the step in
+        flight; the job re-forms (absorb) or restarts from the last checkpoint."""
+        died = self.outages.pop(fid)
+        self.carry_s = None
+        if not self.absorb:
+            self.restart_for.append(fid)
+            return
+        self.failovers[fid] = (died, self.env.now)
+        if not self.outages:
+            if self.held:
+                self._append_step(self.env.now, self.committed, self.committed_when_held)
+            self.hold_from, self.held = None, False
+        self.awaiting_recovery.append(fid)
+        self.recovery_s = max(self.recovery_s, self.params.reform_s)
+
+    def _failover_done(self, fid: int) -> None:
+        """A failover's new generation is formed: its recover_end comes just before the next
+        commit (`_flush_ends`), or now if the run has no step left."""
+        now = self.env.now
+        died, up = self.failovers.pop(fid)
+        detail = {"detect_s": 0.0, "ack_s": round(up - died, 6), "reform_s": round(now - died, 6),
+                  "state_s": 0.0, "gen": self.gen}
+        self.pending_ends.append((fid, died, now, detail))
+        self.pending_first_since = now  # so that the next commit is logged
+        if self.committed >= self.scenario.run.steps:
+            self._flush_ends(now, self.committed)
+
+    def _flush_ends(self, t: float, step: int) -> None:
+        for fid, died, formed, detail in self.pending_ends:
+            info = self.faults.info[fid]
+            detail = {"fault_id": fid, "downtime_s": round(t - died, 6), **detail, "redo_s": round(t - formed, 6)}
+            self.events.append(Event(round(t, 6), step, "recover_end", info.fault, info.target, info.action, detail))
+        self.pending_ends.clear()
