@@ -107,7 +107,8 @@ class CoordinatorLink:
             try:
                 chan, welcome = handshake(self.address, hello(), min(left, 5.0))
             except Refused as e:
-                print(f"worker: the coordinator at {self.address} refused to take this worker back: {e}", flush=True)
+                print(f"worker: the coordinator at {self.address} refused to take this worker back: {e}",
+                      file=sys.stderr, flush=True)
                 return None
             except (OSError, ProtocolError):
                 time.sleep(RETRY_S)

@@ -193,6 +193,8 @@ def test_a_scheduled_coordinator_loss(tmp_path, policy, record):
         assert restart.detail["lost_steps"] == 10 - restart.detail["from_step"]
         assert summary["restarts"] == 1 and all(len(p) == 2 for p in summary["pids"].values())
     record(trials=1, faults_survived=1)
+    lost = next(f for f in summary["faults"] if f["class"] == "coordinator_loss")
+    record.note(f"{policy}: downtime of the scheduled loss, s", f"{lost['downtime_s']:.2f}")
 
 
 def test_a_killed_keel_run_leaves_no_process_behind(tmp_path, record):

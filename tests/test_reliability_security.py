@@ -148,24 +148,6 @@ def _listening(pids: set[int]) -> list[tuple[str, int]]:
     return out
 
 
-def _descendants(root: int) -> set[int]:
-    """`root` and every process below it."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        out.add(pid)
-        todo.extend(children.get(pid, ()))
-    return out
-
-
 def _address(hexaddr: str, width: int) -> str:
     raw = bytes.fromhex(hexaddr)
     if width == 8:
@@ -190,7 +172,8 @@ def test_a_running_job_listens_on_loopback_only(tmp_path, record):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (ev.exists() and ev.read_text().count('"kind":"step"') >= 5):
         time.sleep(0.05)
-    seen.extend(_listening(_descendants(os.getpid())))
+    from test_reliability_soak import descendants
+    seen.extend(_listening({os.getpid(), *descendants(os.getpid())}))
     t.join(120)
     assert seen, "no listening socket found"
     exposed = [(a, p) for a, p in seen if a not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]

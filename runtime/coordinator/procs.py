@@ -42,7 +42,7 @@ def forked_worker(address: str, node: str, log_path: str, secret: str) -> None:
 
 
 class LocalProcess:
-    """A worker process this coordinator started: a Popen or a multiprocessing Process."""
+    """A worker process the supervisor started: a Popen or a multiprocessing Process."""
 
     def __init__(self, handle):
         self.handle = handle
@@ -65,10 +65,6 @@ class LocalProcess:
             return self.handle.poll()
         return self.handle.exitcode
 
-    @property
-    def returncode(self) -> int | None:
-        return self.poll()
-
     def wait(self, timeout: float | None = None) -> int | None:
         if isinstance(self.handle, subprocess.Popen):
             return self.handle.wait(timeout)
@@ -79,16 +75,6 @@ class LocalProcess:
 
     def signal(self, sig: int) -> bool:
         return signal_pid(self.pid, sig)
-
-    def stop(self, timeout: float) -> None:
-        """Wait up to `timeout` for it to exit, then SIGKILL it."""
-        if self.poll() is not None:
-            return
-        try:
-            self.wait(max(0.1, timeout))
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.wait()
 
 
 class SupervisedProcess:

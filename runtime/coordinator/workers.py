@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.coordinator.procs import LocalProcess
+from runtime.coordinator.procs import SupervisedProcess
 from runtime.protocol import Channel
 
 
@@ -11,7 +11,7 @@ from runtime.protocol import Channel
 class WorkerState:
     node: str
     chan: Channel | None = None
-    proc: LocalProcess | None = None
+    proc: SupervisedProcess | None = None  # None: a worker started elsewhere
     pid: int | None = None
     alive: bool = True
     joined: bool = False
