@@ -16,8 +16,9 @@ and every loss bit-identical to the reference run, which is the run of only its 
 (a NaN shard changes the data by design, every other fault must change no bit); and the
 survivors' memory flat: the resident set, open descriptors and threads of each worker that
 lived through the whole run, sampled from /proc after the first steps, mid-run and at the end
-(it held once each generation's old gloo groups were aborted and dropped, runtime/groups.py:
-before, each survivor kept ~3 threads and ~6 descriptors per generation).
+(threads and descriptors at every count, the resident set at full counts). It held once each
+generation's old gloo groups were aborted and dropped (runtime/groups.py): before, each survivor
+kept ~3 threads and ~6 descriptors per generation.
 """
 from __future__ import annotations
 
@@ -192,11 +193,19 @@ def test_soak(soak, record):
 
 def test_soak_survivors_flat(soak):
     """The survivors' threads and descriptors at the end of the soak are what they were after
-    its first steps (a little slack for the store pool), and their resident set no longer grows
-    over its second half. It rises in the first (a survivor's RSS +5-17 MiB by mid-run in the
-    full soak, 4 Dec, then +0.2-3.5 MiB to the end: allocator arenas and caches filling, not a
-    cost per generation); the old leak, ~0.4 MiB a generation, would add ~11 MiB there."""
+    its first steps (a little slack for the store pool): the old leak kept ~3 threads and ~6
+    descriptors per generation, +27 and +54 over the reduced soak's 9 generations, so this holds
+    at every count.
+
+    The resident set is judged at full counts only, on its second half: it rises in the first (a
+    survivor's RSS +5-17 MiB by mid-run in the full soak, 4 Dec, then +0.2-3.5 MiB to the end:
+    allocator arenas and caches filling, not a cost per generation), and the old leak, ~0.4 MiB a
+    generation, would add ~11 MiB there. The reduced soak (make test) is 11 s and 9 generations:
+    the old leak would add ~2 MiB over its second half, below what the allocator alone moves it
+    (+14.8 MiB on the CI machine, 5 Dec, for the checkpoint writer, +3.7 MiB here): a check
+    there could not see the leak and could fail without one, so it only reports the figures."""
     for node, m in soak["memory"].items():
         assert m["threads"][1] <= m["threads"][0] + 4, f"{node}: threads {m}"
         assert m["fds"][1] <= m["fds"][0] + 16, f"{node}: open descriptors {m}"
-        assert (m["rss_mib"][2] - m["rss_mib"][1]) * 2**20 < RSS_SLACK_BYTES, f"{node}: resident set {m}"
+        if FULL:
+            assert (m["rss_mib"][2] - m["rss_mib"][1]) * 2**20 < RSS_SLACK_BYTES, f"{node}: resident set {m}"
