@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.errors import InputError
+from keel.net import is_loopback
 
 MAIN = Path(__file__).resolve().parent / "main.py"
 
@@ -38,7 +39,7 @@ def cli(args: Any) -> int:
     root = str(MAIN.parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     print(f"keel app: http://{address}:{port}  (runs: {env['KEEL_RUNS']}; Ctrl-C stops it)", file=sys.stderr)
-    if address not in ("127.0.0.1", "localhost", "::1"):
+    if not is_loopback(address):
         print(f"keel app: warning: serving beyond this machine on {address}:{port}: anyone who reaches it can "
               f"read every run under {env['KEEL_RUNS']} and start simulations and plans (no authentication)",
               file=sys.stderr)

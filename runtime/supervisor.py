@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.errors import InputError, RunFailed
+from keel.net import is_loopback
 from keel.paths import REPO_ROOT
 from keel.scenario import Scenario
 from runtime.coordinator.procs import LocalProcess, start_worker
@@ -39,16 +40,6 @@ RESTARTS = 3            # successors a run may need before it fails
 RESTARTS_ENV = "KEEL_COORDINATOR_RESTARTS"
 HB_S = 0.5              # the coordinator says hb this often
 POLL_S = 0.02
-
-
-def _loopback(host: str) -> bool:
-    import ipaddress
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def restarts_allowed() -> int:
@@ -100,7 +91,7 @@ class Supervisor:
         self.store_port = store_sock.getsockname()[1]
         self.store = dist.TCPStore(self.host, self.store_port, None, True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=300), master_listen_fd=store_sock.detach())
-        if not _loopback(self.host):
+        if not is_loopback(self.host):
             print(f"keel: warning: listening beyond this machine on {self.host}: the coordinator's port {self.port} "
                   f"(workers must prove the job's secret) and the rendezvous store's port {self.store_port} "
                   f"(torch's TCPStore: no authentication); firewall them to the job's machines",

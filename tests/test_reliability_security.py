@@ -232,3 +232,14 @@ def test_protocol_rejects_what_it_does_not_declare(record):
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("localhost", True), ("LOCALHOST", True), ("::1", True),
+    ("[::1]", True), ("::ffff:127.0.0.1", True),
+    ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("::ffff:10.0.0.5", False), ("example.org", False),
+    ("", False)])
+def test_one_rule_says_what_stays_on_this_machine(host, loopback):
+    """keel.net.is_loopback decides both the job's bind warning and the dashboard's."""
+    from keel.net import is_loopback
+    assert is_loopback(host) is loopback
