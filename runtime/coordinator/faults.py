@@ -242,8 +242,10 @@ class FaultsMixin:
         self.phase = "restarting"
         self.restarts += 1
         # a checkpoint of a step not committed here (written by workers while a dead
-        # coordinator's successor was starting) is not one this run has reached
-        latest = ck.find_latest(self.ckpt_dir, at_most=self.committed)
+        # coordinator's successor was starting) is not one this run has reached. Verifying
+        # reads and hashes every file: in the background, so that a large checkpoint is not
+        # taken for a hung coordinator (succession.in_background)
+        latest = self.in_background(lambda: ck.find_latest(self.ckpt_dir, at_most=self.committed))
         step = int(latest.name.split("-")[1]) if latest is not None else 0
         self.emit_ep("restart", ep, from_step=step, checkpoint=str(latest) if latest else None,
                      lost_steps=self.committed - step)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import os
 import select
+import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from runtime.coordinator import snapshot
 from runtime.coordinator.episodes import Stage
@@ -28,6 +29,7 @@ from runtime.coordinator.generations import JOIN_TIMEOUT_S
 from runtime.coordinator.procs import SupervisedProcess
 
 HB_S = 0.5
+T = TypeVar("T")
 
 
 class SuccessionMixin:
@@ -79,6 +81,27 @@ class SuccessionMixin:
                 if self.failure:
                     return done()
         return True
+
+    def in_background(self, fn: Callable[[], T]) -> T:
+        """fn() in a thread of its own while this one keeps serving the supervisor's link (and
+        saying hb): a long synchronous operation, such as verifying a large checkpoint, is not
+        taken for a hang. Without a supervisor, fn() here. Its exception is raised here."""
+        if self.link is None:
+            return fn()
+        out: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                out["value"] = fn()
+            except BaseException as e:  # raised again in the caller's thread
+                out["error"] = e
+        t = threading.Thread(target=call, name="keel-coordinator-io", daemon=True)
+        t.start()
+        self.link_wait(lambda: not t.is_alive(), float("inf"))
+        t.join()  # the link may have failed first: the operation still ends before we go on
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
 
     def supervised_spawn(self, node: str, fresh: bool) -> SupervisedProcess:
         self.spawned.pop(node, None)
