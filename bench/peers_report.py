@@ -4,8 +4,9 @@ plots (docs/figures/bench-*.svg), each stamped with the date, the machine and th
     .venv/bin/python bench/peers_report.py [--repeats 3] [--again runs/bench/results.json]
 
 Runs, one after the other on this machine: bench/peers.py (keel against torchrun elastic and
-torchft), bench/ckpt_compare.py (keel's checkpoints against torch.distributed.checkpoint and
-the disk), bench/peers.py --resume-trace (torchrun's resume against its fault-free run, step by
+torchft), bench/step_cpu.py (where a fault-free step's CPU goes, keel against DDP),
+bench/ckpt_compare.py (keel's checkpoints against torch.distributed.checkpoint and the disk),
+bench/peers.py --resume-trace (torchrun's resume against its fault-free run, step by
 step), bench/twin_naive.py (the twin against a naive SimPy model) and bench/data_speed.py
 (keel's loader against torch's DataLoader). The raw results go to runs/bench/results.json;
 `--again FILE` rewrites the report from such a file without running anything.
@@ -166,6 +167,30 @@ def write_step_time(w, peers: dict) -> None:
               + ("." if i == len(ranking) - 1 else ";"))
 
 
+def write_step_cpu(w, cpu: dict, cmd: str) -> None:
+    """Where a fault-free step's CPU goes, keel against DDP by process role (bench/step_cpu.py)."""
+    ddp, keel, r = cpu["median"]["ddp"], cpu["median"]["keel"], cpu["keel_over_ddp"]
+    w(f"\n**Where keel's step time goes.** Command: `{cmd}`. Each job alone, the two alternating, "
+      f"{cpu['rounds']} rounds; CPU time (user + system, from /proc) of every process of the job over "
+      f"{cpu['steps']} steps after {cpu['warmup']}, per step, median of the rounds. With {keel['workers']} workers "
+      f"on {cpu['cores']} cores the step is CPU-bound, so wall time follows CPU time.\n")
+    w("| ms per step | DDP | keel | keel / DDP |")
+    w("|---|---|---|---|")
+    w(f"| wall | {ddp['wall_ms']:.2f} | {keel['wall_ms']:.2f} | {r['wall_ms']:.3f} |")
+    w(f"| CPU, every process | {ddp['cpu_total_ms']:.2f} | {keel['cpu_total_ms']:.2f} | {r['cpu_total_ms']:.3f} |")
+    w(f"| CPU, one worker (mean) | {ddp['cpu_per_worker_ms']:.2f} | {keel['cpu_per_worker_ms']:.2f} | "
+      f"{r['cpu_per_worker_ms']:.3f} |")
+    for role in ("torchrun agent", "supervisor", "coordinator"):
+        d, k = ddp["cpu_ms"].get(role), keel["cpu_ms"].get(role)
+        w(f"| CPU, {role} | {'-' if d is None else f'{d:.2f}'} | {'-' if k is None else f'{k:.2f}'} | |")
+    extra_w = keel["cpu_per_worker_ms"] - ddp["cpu_per_worker_ms"]
+    side = keel["cpu_ms"].get("supervisor", 0.0) + keel["cpu_ms"].get("coordinator", 0.0)
+    w(f"\nkeel's workers spend {extra_w:+.2f} ms a step each beside DDP's: they do what DDP's do, less its "
+      "gradient buckets, plus the exact reduction's encoding and decoding (int64, twice float32's bytes on the "
+      "wire), the a-priori bounds, the step report and a heartbeat thread. Its coordinator and supervisor spend "
+      f"{side:.2f} ms together: four reports a step parsed and committed, the event log written, heartbeats.\n")
+
+
 def write_resume(w, rt: dict, cmd: str) -> None:
     """torchrun's resume traced step by step (bench/peers.py --resume-trace)."""
     d = rt["DDP defaults"]
@@ -249,6 +274,8 @@ def write_report(res: dict) -> None:
     if sessions:
         w("")
         write_step_time(w, peers)
+    if "cpu" in res:
+        write_step_cpu(w, *res["cpu"])
     for t, why in peers["skipped"].items():
         w(f"\n**Skipped {t}**: {why}")
     if peers.get("failures"):
@@ -390,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         res = {}
         res["peers"] = run_json(["bench/peers.py", "--repeats", str(args.repeats), "--work", "runs/bench/peers"])[:2]
+        res["cpu"] = run_json(["bench/step_cpu.py", "--rounds", str(args.repeats)])[:2]
         res["resume"] = run_json(["bench/peers.py", "--resume-trace", "--work", "runs/bench/resume"])[:2]
         res["ckpt"] = run_json(["bench/ckpt_compare.py", "--repeats", str(args.repeats)])[:2]
         res["twin"] = run_json(["bench/twin_naive.py", "--seeds", "5"])[:2]

@@ -85,3 +85,22 @@ def cmdline(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+@pytest.mark.timeout(200)
+def test_step_cpu_finds_each_role_of_both_jobs(tmp_path):
+    """bench/step_cpu.py on a short run of each job: every role's processes are found (four
+    workers each, keel's supervisor and coordinator, torchrun's agent), the workers charged
+    some CPU (~200 ms each here; the coordinator's ~20 ms could round to no 10 ms tick); how
+    much is the machine's business."""
+    sys.path.insert(0, str(ROOT))
+    from bench import step_cpu
+    cfg = step_cpu.peers.Config(checkpoint_every=step_cpu.peers.LONG_RUN)
+    ddp = step_cpu.measure("ddp", cfg, tmp_path / "ddp", warmup=5, steps=20)
+    keel = step_cpu.measure("keel", cfg, tmp_path / "keel", warmup=5, steps=20)
+    assert ddp["workers"] == keel["workers"] == 4 and ddp["steps"] >= 20 and keel["steps"] >= 20
+    assert set(ddp["cpu_ms"]) == {"torchrun agent", "workers"}, ddp["cpu_ms"]
+    assert {"supervisor", "coordinator", "workers"} <= set(keel["cpu_ms"]) <= {"supervisor", "coordinator", "workers",
+                                                                               "other"}, keel["cpu_ms"]
+    assert all(m["cpu_ms"]["workers"] > 0 and m["wall_ms"] > 0 for m in (ddp, keel))
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in cmdline(pid)]
