@@ -69,13 +69,15 @@ def measure(tool: str, cfg: peers.Config, work: Path, warmup: int, steps: int) -
     job = peers.launch(tool, cfg, work)
     try:
         deadline = time.monotonic() + peers.RUN_TIMEOUT_S + steps
-        for target in (warmup, warmup + steps):
+
+        def reach(target: int) -> None:
             while job.committed() < target:
                 if time.monotonic() > deadline or any(p.poll() is not None for p in job.roots):
                     raise RuntimeError(f"{tool} ({work}): stopped before step {target}; see the logs there")
                 time.sleep(0.02)
-            if target == warmup:
-                t0, n0, before = sample(job)
+        reach(warmup)
+        t0, n0, before = sample(job)
+        reach(n0 + steps)  # n0 may be past warmup by a step or two: `steps` commits from there
         t1, n1, after = sample(job)
     finally:
         job.close()
