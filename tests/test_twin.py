@@ -335,6 +335,33 @@ def test_network_jitter_reslots_and_moves_back():
     assert result.summary["restarts"] == 0
 
 
+@pytest.mark.parametrize("second_at,second_s", [(10, 60.0), (17, 10.0)])
+def test_a_second_spike_on_a_parked_straggler_keeps_it_parked(second_at, second_s):
+    """As the runtime: a parked straggler's probes are slow while any spike covers it, so its
+    slots move back only once the last spike on it is over (and straggler_window good probes
+    later); a spike on a node already parked makes no straggler and its episode ends when it
+    is over. Failed before: the twin moved the slots back when the first spike ended, into a
+    node still spiked. (10, 60 s): the second starts while the first lasts; (17, 10 s): it
+    starts during the first one's probe window."""
+    raw = tiny_with(**{"run.steps": 80, "checkpoint.interval_steps": 100,
+                       "faults.schedule": [{"at_step": 5, "class": "network_jitter", "target": "a/0",
+                                            "spike_ms": 2000.0, "duration_s": 40.0},
+                                           {"at_step": second_at, "class": "network_jitter", "target": "a/0",
+                                            "spike_ms": 2000.0, "duration_s": second_s}]})
+    result = twin.simulate(scenario(raw))
+    eps = episodes(result.events)
+    assert eps[0] == ["fault", "detect", "recover_start", "reslot", "reslot", "recover_end"]
+    assert eps[1] == ["fault", "recover_end"]
+    f0, f1 = [e for e in result.events if e.kind == "fault"]
+    end1 = next(e for e in result.events if e.kind == "recover_end" and e.fault_id == 1)
+    back = next(e for e in result.events if e.kind == "reslot" and e.detail.get("back"))
+    park = next(e for e in result.events if e.kind == "reslot" and not e.detail.get("back"))
+    assert park.t < f1.t  # the second struck a parked node
+    assert f1.t + second_s <= end1.t <= back.t  # the slots move back after the second is over
+    assert back.t >= f1.t + second_s + 2 * TINY["policy"].get("heartbeat_s", 0.5)
+    assert result.summary["restarts"] == 0
+
+
 def test_spiked_step_takes_the_runtimes_own_draw_for_that_step():
     """The step the spike catches lasts a fault-free step + what the spike costs the
     collective at the draw the runtime's gate takes for that very step

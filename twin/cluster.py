@@ -42,6 +42,11 @@ class Spike:
     detected: bool = False
     moves: list[tuple[str, str, int]] = field(default_factory=list)  # (from, to, slots)
     spare_receivers: set[str] = field(default_factory=set)
+    over: Any = None           # a SimPy event, set when the spike ends
+
+    def covers(self, node: str) -> bool:
+        """Whether the spike's target (a node, or a region) covers `node` ("region/i")."""
+        return node == self.target if "/" in self.target else node.split("/")[0] == self.target
 
 
 class Cluster:
@@ -51,6 +56,7 @@ class Cluster:
         self.slot_compute_s = slot_compute_s
         self.layout_version = 0
         self.spikes: dict[int, Spike] = {}               # fault id -> spike, while it matters
+        self.spike_starts: list[tuple[float, Spike]] = []  # (time, spike): every spike, as it started
         # kept up to date by update()
         self.groups: Counter[tuple[str, float]] = Counter()  # (region, compute s) -> up nodes holding slots
         self.holders_per_region: Counter[str] = Counter()

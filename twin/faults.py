@@ -154,7 +154,8 @@ class Faults:
         """A latency spike of `spike_s` on `target` (a node or a region) for `duration_s`."""
         fid = self._new_fault(FaultInfo("network_jitter", target, self._action("network_jitter")))
         self.sim.emit_episode("fault", fid, scheduled=scheduled, spike_ms=spike_s * 1e3, duration_s=duration_s)
-        self.cluster.spikes[fid] = Spike(target, spike_s)
+        self.cluster.spikes[fid] = sp = Spike(target, spike_s, over=self.env.event())
+        self.cluster.spike_starts.append((self.env.now, sp))
         self.cluster.touch()  # the step model changed
         self.sim.notify(Cause("spike_start", fid, interrupts_run=True))
         self.env.process(self._spike_end(fid, duration_s))
@@ -251,7 +252,24 @@ class Faults:
         yield self.env.timeout(after_s)
         sp = self.cluster.spikes[fid]
         sp.active = False
+        sp.over.succeed()
         self.cluster.touch()
-        if sp.moves:  # parked: back once straggler_window of its heartbeat probes come back good
-            yield self.env.timeout(self.sim.cost.probe_wait_s(sp))
+        if sp.moves:  # parked: back once straggler_window of its heartbeat probes in a row come
+            # back good, as in the runtime: none does while another spike covers a parked node,
+            # and one that starts meanwhile makes them start over once it is over
+            homes = {frm for frm, _, _ in sp.moves}
+            last = sp
+            while True:
+                while (later := next((o for o in self.cluster.spikes.values()
+                                      if o.active and any(o.covers(h) for h in homes)), None)) is not None:
+                    yield later.over
+                    last = later
+                since = self.env.now
+                yield self.env.timeout(self.sim.cost.probe_wait_s(last))
+                struck = [o for t, o in self.cluster.spike_starts if t > since and any(o.covers(h) for h in homes)]
+                if not struck:
+                    break
+                last = struck[-1]
+                if not last.active:  # it came and went within the wait: probes start over from now
+                    continue
         self.sim.notify(Cause("spike_end", fid, interrupts_run=True))

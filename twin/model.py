@@ -46,7 +46,8 @@ Semantics (docs/design.md for step numbering and fault ids):
   straggler is detected at its first slow step and after straggler_window slow steps its slots
   move (keel.recovery.park_destinations: to a spare, else to the least-loaded nodes; a
   region's to the other regions) if that makes steps faster, and move back when the spike
-  ends. The episode always ends with a `recover_end` when the spike is over.
+  ends (after the last spike on the parked node, and straggler_window good probes). The
+  episode ends with a `recover_end` when the spike is over, unless the run ends first.
 - `data_shard_skew`: the step in flight yields NaN at its end and is not committed. With
   policy.quarantine the shard is quarantined; absorb redoes the step, checkpoint_restart rolls
   back to the last checkpoint (a restart). A drawn NaN on a quarantined shard is skipped.
