@@ -8,6 +8,8 @@
 - `lost_steps`: committed steps the fault threw away (recomputed after a restart).
 - `goodput`: steps x fault-free step time / wall time, at most 1 (`goodput`).
 - `restarts`: the number of `restart` events.
+- `open_at_end(events)`: the episodes a completed run closes at its end (`recover_end` with
+  `at_run_end`); such an episode's cost runs to the end of the run, which it lasted.
 
 The fault-free step time comes from the caller, else from `detail.step_time_s` of the
 `run_end` or `run_start` event, else from the median per-step interval between commits with
@@ -122,6 +124,14 @@ def fault_episodes(events: Sequence[Event]) -> list[dict[str, Any]]:
             if e.kind == "restart":
                 ep["action"] = "checkpoint_restart"
     return list(episodes.values())
+
+
+def open_at_end(events: Sequence[Event]) -> list[int]:
+    """The fault ids whose episode has no `recover_end` yet, in the order they struck: what a
+    completed run closes just before its `run_end`, each with a `recover_end` marked
+    `at_run_end` (a latency spike that outlasts the run, its straggler still parked). The twin
+    and the runtime both call this, so both close the same episodes."""
+    return [ep["fault_id"] for ep in fault_episodes(events) if "recover_end" not in ep["first_of"]]
 
 
 def since_fault_s(episode: dict[str, Any], kind: str) -> float | None:

@@ -121,17 +121,23 @@ def _check_carried_on(summary: dict, alone: dict, out: Path, losses: int) -> Non
 
 def test_a_killed_coordinator_is_replaced_and_the_run_carries_on(tmp_path, record):
     """SIGKILLs of the coordinator at seeded random moments of one run (mid-step, mid-commit,
-    mid-recovery of the previous kill): the successor takes the workers back."""
+    mid-recovery of the previous kill): the successor takes the workers back. The moments are
+    seeded steps (a quarter of them as soon as the successor is up, the rest 1-40 steps after
+    the previous kill), each plus a random fraction of a step: the run, 60 + 40 per kill steps,
+    outlasts the last however fast its steps are. (They were seeded times, 0-1.5 s apart, once:
+    with 10-25 ms steps a full-count run ended before its 8th kill, 5 Dec.)"""
     kills = reliability_count(full=8, reduced=2)
     steps = 60 + 40 * kills
     rng = random.Random(13)
     proc, out = _start(tmp_path, steps, {"KEEL_COORDINATOR_RESTARTS": str(kills)})
     workers = _workers(out)
     try:
-        pid = None
+        pid, at = None, 3
         for _ in range(kills):
             pid = _coordinator(out, other_than=pid)
-            time.sleep(rng.uniform(0.0, 1.5))
+            at += 0 if rng.random() < 0.25 else rng.randint(1, 40)
+            assert _wait(lambda: _steps(out) >= at or proc.poll() is not None, 120), f"step {at} never committed"
+            time.sleep(rng.uniform(0.0, 0.03))
             assert proc.poll() is None, "the run ended before its coordinator was killed"
             os.kill(pid, signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=240)

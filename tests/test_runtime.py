@@ -142,6 +142,22 @@ def test_a_second_spike_on_a_parked_straggler_keeps_it_parked(tmp_path):
     assert fault1.t + 4.0 <= end1.t <= back.t
 
 
+def test_a_spike_that_outlasts_the_run_ends_with_it(tmp_path, baseline_long):
+    """A straggler still parked at the end: its episode closes with a `recover_end` marked
+    `at_run_end`, just before `run_end`, as in the twin (tests/test_twin.py, same name). Before,
+    it stayed open, and a trial whose run outpaced a spike failed on it (5 Dec: 164 steps of
+    10 ms against a 2 s spike)."""
+    summary, events = run(tmp_path, "jit3", steps=LONG,
+                          faults=[{"at_step": 3, "class": "network_jitter", "target": "a/0",
+                                   "spike_ms": 250.0, "duration_s": 3600.0}])
+    assert_same_trajectory(summary, baseline_long)
+    fid = summary["faults"][0]["fault_id"]
+    assert kinds(events, fid) == ["fault", "detect", "recover_start", "reslot", "recover_end"]
+    end, last = events[-2:]
+    assert end.kind == "recover_end" and end.detail == {"fault_id": fid, "at_run_end": True}
+    assert last.kind == "run_end"
+
+
 @pytest.mark.timeout(10)
 def test_comm_gate_starts_at_the_step_and_draws_deterministically():
     from keel.scenario import SPIKE_SPREAD, spike_factor

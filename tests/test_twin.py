@@ -362,6 +362,23 @@ def test_a_second_spike_on_a_parked_straggler_keeps_it_parked(second_at, second_
     assert result.summary["restarts"] == 0
 
 
+def test_a_spike_that_outlasts_the_run_ends_with_it():
+    """Its straggler still parked at the end, the episode closes with a `recover_end` marked
+    `at_run_end`, just before `run_end` (keel.metrics.open_at_end, which the runtime calls
+    too: tests/test_runtime.py, same name); the fault's downtime is what it was."""
+    raw = tiny_with(**{"run.steps": 30, "checkpoint.interval_steps": 100,
+                       "faults.schedule": [{"at_step": 5, "class": "network_jitter", "target": "a/0",
+                                            "spike_ms": 2000.0, "duration_s": 3600.0}]})
+    result = twin.simulate(scenario(raw))
+    assert episodes(result.events)[0] == ["fault", "detect", "recover_start", "reslot", "recover_end"]
+    end, last = result.events[-2:]
+    assert end.kind == "recover_end" and end.detail == {"fault_id": 0, "at_run_end": True}
+    assert last.kind == "run_end" and end.t == last.t
+    fault = result.events[[e.kind for e in result.events].index("fault")]
+    first_after = next(e for e in result.events if e.kind == "step" and e.t > fault.t)
+    assert result.summary["faults"][0]["downtime_s"] == pytest.approx(first_after.t - fault.t)
+
+
 def test_spiked_step_takes_the_runtimes_own_draw_for_that_step():
     """The step the spike catches lasts a fault-free step + what the spike costs the
     collective at the draw the runtime's gate takes for that very step

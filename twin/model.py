@@ -47,7 +47,8 @@ Semantics (docs/design.md for step numbering and fault ids):
   move (keel.recovery.park_destinations: to a spare, else to the least-loaded nodes; a
   region's to the other regions) if that makes steps faster, and move back when the spike
   ends (after the last spike on the parked node, and straggler_window good probes). The
-  episode ends with a `recover_end` when the spike is over, unless the run ends first.
+  episode ends with a `recover_end` when the spike is over, or, if the run ends first, just
+  before `run_end`, marked `at_run_end` (keel.metrics.open_at_end, as the runtime does).
 - `data_shard_skew`: the step in flight yields NaN at its end and is not committed. With
   policy.quarantine the shard is quarantined; absorb redoes the step, checkpoint_restart rolls
   back to the last checkpoint (a restart). A drawn NaN on a quarantined shard is skipped.
@@ -87,6 +88,7 @@ import simpy
 
 from keel.events import Event
 from keel import recovery as R
+from keel.metrics import open_at_end
 from keel.scenario import Scenario
 from twin.checkpoints import Checkpoints
 from twin.coordinator import CoordinatorLossMixin
@@ -280,6 +282,9 @@ class Simulation(CoordinatorLossMixin):
                 yield from self.checkpoints.take()
             else:
                 yield from self._segment(self._steps_to_boundary())
+        if completed:  # a spike that outlasts the run: its episode closes here (keel.metrics)
+            for fid in open_at_end(self.events):
+                self.emit_episode("recover_end", fid, at_run_end=True)
         self.emit("run_end", step_time_s=self.healthy_step_s, checkpoint_step=self.checkpoints.step,
                   completed=completed, **({"failure": self.failure} if self.failure else {}))
         self.finished = True

@@ -18,12 +18,13 @@ from typing import Any
 
 from keel.errors import InputError, RunFailed
 from keel.events import Event, EventLog
+from keel.metrics import open_at_end
 from keel.scenario import Scenario
 
 from runtime.coordinator import snapshot
 from runtime.coordinator.admission import AdmissionMixin
 from runtime.coordinator.workers import WorkerState
-from runtime.coordinator.episodes import EpisodeBook
+from runtime.coordinator.episodes import EpisodeBook, Stage
 from runtime.coordinator.faults import FaultsMixin
 from runtime.coordinator.generations import JOIN_TIMEOUT_S, GenerationsMixin
 from runtime.coordinator.messages import MessagesMixin
@@ -300,6 +301,9 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
     def _finish(self) -> dict[str, Any]:
         from keel.metrics import summarize
         if not any(e.kind == "run_end" for e in self.log.events[self.events_start:]):  # a successor's may be written
+            for ep in filter(None, map(self.book.get, open_at_end(self.log.events[self.events_start:]))):
+                ep.stage = Stage.ENDED  # a spike that outlasts the run, its straggler still parked
+                self.emit_ep("recover_end", ep, at_run_end=True)
             self.emit("run_end", step_time_s=self.fault_free_step_time(), restarts=self.restarts,
                       generations=self.gen + 1, final_weights_sha256=self.final_sha)
         summary = summarize(self.log.events[self.events_start:])
