@@ -8,8 +8,8 @@
 - `lost_steps`: committed steps the fault threw away (recomputed after a restart).
 - `goodput`: steps x fault-free step time / wall time, at most 1 (`goodput`).
 - `restarts`: the number of `restart` events.
-- `open_at_end(events)`: the episodes a completed run closes at its end (`recover_end` with
-  `at_run_end`); such an episode's cost runs to the end of the run, which it lasted.
+- `open_at_end(events)`: the latency spikes a completed run closes at its end (`recover_end`
+  with `at_run_end`); such an episode's cost runs to the end of the run, which it lasted.
 
 The fault-free step time comes from the caller, else from `detail.step_time_s` of the
 `run_end` or `run_start` event, else from the median per-step interval between commits with
@@ -127,11 +127,13 @@ def fault_episodes(events: Sequence[Event]) -> list[dict[str, Any]]:
 
 
 def open_at_end(events: Sequence[Event]) -> list[int]:
-    """The fault ids whose episode has no `recover_end` yet, in the order they struck: what a
-    completed run closes just before its `run_end`, each with a `recover_end` marked
-    `at_run_end` (a latency spike that outlasts the run, its straggler still parked). The twin
-    and the runtime both call this, so both close the same episodes."""
-    return [ep["fault_id"] for ep in fault_episodes(events) if "recover_end" not in ep["first_of"]]
+    """The latency spikes whose episode has no `recover_end` yet, in the order they struck: a
+    spike still on, or its straggler still parked, when the run ends. A completed run closes
+    each just before its `run_end`, with a `recover_end` marked `at_run_end`; the twin and the
+    runtime both call this, so both close the same episodes. (Every other episode ends with a
+    commit; the twin's fault on an idle spare, which costs nothing, has no other event.)"""
+    return [ep["fault_id"] for ep in fault_episodes(events)
+            if ep["class"] == "network_jitter" and "recover_end" not in ep["first_of"]]
 
 
 def since_fault_s(episode: dict[str, Any], kind: str) -> float | None:

@@ -116,3 +116,16 @@ def test_goodput_is_at_most_one():
     assert summarize(ev, step_time_s=1.0)["goodput"] == 1.0
     assert summarize(ev, step_time_s=0.45)["goodput"] == pytest.approx(0.5)
     assert metrics.goodput(10, 1.0, 0.0) == 0.0 and metrics.goodput(4, 1.0, 8.0) == 0.5
+
+
+def test_open_at_end_lists_only_spikes_left_open():
+    """A run closes at its end the latency spikes still open (their straggler still parked);
+    not a spike that ended, nor the twin's fault on an idle spare (a `fault` and nothing else)."""
+    def ev(t, step, kind, fault=None, target=None, fid=None):
+        return Event(t, step, kind, fault, target, "x" if fault else None, {} if fid is None else {"fault_id": fid})
+    events = [ev(0, 0, "run_start"), ev(1, 1, "step"),
+              ev(1.5, 1, "fault", "network_jitter", "a/0", 0), ev(2, 2, "step"),
+              ev(2.5, 2, "fault", "hardware_fault", "b/1", 1),
+              ev(3, 2, "fault", "network_jitter", "a/1", 2), ev(3.5, 3, "reslot", "network_jitter", "a/1", 2),
+              ev(4, 3, "recover_end", "network_jitter", "a/0", 0), ev(5, 4, "step")]
+    assert metrics.open_at_end(events) == [2]
