@@ -193,9 +193,11 @@ def test_soak(soak, record):
 
 def test_soak_survivors_flat(soak):
     """The survivors' threads and descriptors at the end of the soak are what they were after
-    its first steps (a little slack for the store pool): the old leak kept ~3 threads and ~6
-    descriptors per generation, +27 and +54 over the reduced soak's 9 generations, so this holds
-    at every count.
+    its first steps, with some slack: threads that may be alive at the end and not at the start
+    (the checkpoint writer's, once a survivor becomes the writer; a store-pool refill; a group
+    reaper) took a/1 from 8 to 11-12 at full counts (4-5 Dec), and descriptors rose 2-10. The
+    old leak kept ~3 threads and ~6 descriptors per generation: +27 and +54 over the reduced
+    soak's 9 generations, +120 and +250 over the full soak's 41, so this holds at every count.
 
     The resident set is judged at full counts only, on its second half: it rises in the first (a
     survivor's RSS +5-17 MiB by mid-run in the full soak, 4 Dec, then +0.2-3.5 MiB to the end:
@@ -205,7 +207,7 @@ def test_soak_survivors_flat(soak):
     (+14.8 MiB on the CI machine, 5 Dec, for the checkpoint writer, +3.7 MiB here): a check
     there could not see the leak and could fail without one, so it only reports the figures."""
     for node, m in soak["memory"].items():
-        assert m["threads"][1] <= m["threads"][0] + 4, f"{node}: threads {m}"
+        assert m["threads"][1] <= m["threads"][0] + 8, f"{node}: threads {m}"
         assert m["fds"][1] <= m["fds"][0] + 16, f"{node}: open descriptors {m}"
         if FULL:
             assert (m["rss_mib"][2] - m["rss_mib"][1]) * 2**20 < RSS_SLACK_BYTES, f"{node}: resident set {m}"
