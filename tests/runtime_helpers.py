@@ -67,9 +67,10 @@ def keel(*args: str) -> list[str]:
     return [sys.executable, "-m", "keel.cli", *args]
 
 
-def run_and_kill_after_checkpoint(args: list[str], out: Path, ckpt_step: int, timeout: float = 120.0) -> int:
-    """Start `keel run` in a session of its own, wait until the checkpoint of `ckpt_step` is
-    complete (its checkpoint_end event), then SIGKILL every process of the job."""
+def run_and_kill_when(args: list[str], out: Path, done, what: str, timeout: float = 120.0) -> list[dict]:
+    """Start `keel run` in a session of its own, wait until `done(events)` holds for the events
+    logged so far (dicts, as in events.jsonl), then SIGKILL every process of the job; those
+    events. For runs whose length in steps cannot say when what a test waits for is over."""
     proc = subprocess.Popen(args, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             cwd=str(REPO))
     ev = out / "events.jsonl"
@@ -77,21 +78,35 @@ def run_and_kill_after_checkpoint(args: list[str], out: Path, ckpt_step: int, ti
     try:
         while time.monotonic() < deadline:
             if ev.exists():
+                events = []
                 for line in ev.read_text().splitlines():
-                    d = json.loads(line) if line.strip() else {}
-                    if d.get("kind") == "checkpoint_end" and d["detail"].get("ckpt_step") == ckpt_step \
-                            and d["detail"].get("path"):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
-                        return d["step"]
+                    try:
+                        events.append(json.loads(line))
+                    except ValueError:  # the line being written
+                        break
+                if done(events):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return events
             if proc.poll() is not None:
-                raise AssertionError(f"keel run ended (rc {proc.returncode}) before checkpoint {ckpt_step}")
+                raise AssertionError(f"keel run ended (rc {proc.returncode}) before {what}")
             time.sleep(0.005)
-        raise AssertionError(f"no checkpoint {ckpt_step} within {timeout} s")
+        raise AssertionError(f"no {what} within {timeout} s")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def run_and_kill_after_checkpoint(args: list[str], out: Path, ckpt_step: int, timeout: float = 120.0) -> int:
+    """`run_and_kill_when` the checkpoint of `ckpt_step` is complete (its checkpoint_end
+    event); the step it was logged at."""
+    def written(events: list[dict]) -> bool:
+        return any(d.get("kind") == "checkpoint_end" and d["detail"].get("ckpt_step") == ckpt_step
+                   and d["detail"].get("path") for d in events)
+    events = run_and_kill_when(args, out, written, f"checkpoint {ckpt_step}", timeout)
+    return next(d["step"] for d in events if d.get("kind") == "checkpoint_end"
+                and d["detail"].get("ckpt_step") == ckpt_step and d["detail"].get("path"))
 
 
 def bare_coordinator(scenario, out: Path, **kw):
