@@ -122,8 +122,8 @@ def main() -> None:
     if a.json:
         print(json.dumps(out))
         return
-    print(f"{out['date']}, {out['cores']} CPU cores, {med['ddp']['workers']} DDP and {med['keel']['workers']} keel workers, {a.steps} steps after "
-          f"{a.warmup}, median of {a.rounds} rounds (alternating), keel checkpoints: "
+    print(f"{out['date']}, {out['cores']} CPU cores, {med['ddp']['workers']} DDP and {med['keel']['workers']} keel "
+          f"workers, {a.steps} steps after {a.warmup}, median of {a.rounds} rounds (alternating), keel checkpoints: "
           f"{'every %d steps' % a.checkpoint_every if a.checkpoint_every else 'none'}")
     print(f"{'ms per step':32}{'DDP':>10}{'keel':>10}{'keel / DDP':>12}")
     print(f"{'wall':32}{med['ddp']['wall_ms']:10.2f}{med['keel']['wall_ms']:10.2f}{ratios['wall_ms']:12.3f}")

@@ -269,7 +269,5 @@ class Faults:
                 struck = [o for t, o in self.cluster.spike_starts if t > since and any(o.covers(h) for h in homes)]
                 if not struck:
                     break
-                last = struck[-1]
-                if not last.active:  # it came and went within the wait: probes start over from now
-                    continue
+                last = struck[-1]  # on still (waited for above), or come and gone: probes start over
         self.sim.notify(Cause("spike_end", fid, interrupts_run=True))
