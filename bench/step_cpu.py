@@ -83,11 +83,11 @@ def measure(tool: str, cfg: peers.Config, work: Path, warmup: int, steps: int) -
         job.close()
         peers.reap(work)
     n = n1 - n0
+    roles = {pid: role(pid, after) for pid in after}
     cpu: dict[str, float] = {}
     for pid, (_, ticks, _) in after.items():
-        r = role(pid, after)
-        cpu[r] = cpu.get(r, 0.0) + (ticks - before.get(pid, (0, 0, ""))[1]) * TICK_MS / n
-    workers = sum(1 for pid in after if role(pid, after) == "workers")
+        cpu[roles[pid]] = cpu.get(roles[pid], 0.0) + (ticks - before.get(pid, (0, 0, ""))[1]) * TICK_MS / n
+    workers = sum(1 for r in roles.values() if r == "workers")
     return {"wall_ms": 1000 * (t1 - t0) / n, "cpu_ms": cpu, "workers": workers, "steps": n}
 
 

@@ -101,12 +101,11 @@ def run_and_kill_when(args: list[str], out: Path, done, what: str, timeout: floa
 def run_and_kill_after_checkpoint(args: list[str], out: Path, ckpt_step: int, timeout: float = 120.0) -> int:
     """`run_and_kill_when` the checkpoint of `ckpt_step` is complete (its checkpoint_end
     event); the step it was logged at."""
-    def written(events: list[dict]) -> bool:
-        return any(d.get("kind") == "checkpoint_end" and d["detail"].get("ckpt_step") == ckpt_step
-                   and d["detail"].get("path") for d in events)
-    events = run_and_kill_when(args, out, written, f"checkpoint {ckpt_step}", timeout)
-    return next(d["step"] for d in events if d.get("kind") == "checkpoint_end"
-                and d["detail"].get("ckpt_step") == ckpt_step and d["detail"].get("path"))
+    def written_at(events: list[dict]) -> int | None:
+        return next((d["step"] for d in events if d.get("kind") == "checkpoint_end"
+                     and d["detail"].get("ckpt_step") == ckpt_step and d["detail"].get("path")), None)
+    return written_at(run_and_kill_when(args, out, lambda events: written_at(events) is not None,
+                                        f"checkpoint {ckpt_step}", timeout))
 
 
 def bare_coordinator(scenario, out: Path, **kw):

@@ -18,7 +18,7 @@ from typing import Any
 
 from keel.errors import InputError, RunFailed
 from keel.events import Event, EventLog
-from keel.metrics import open_at_end
+from keel.metrics import open_at_end, summarize
 from keel.scenario import Scenario
 
 from runtime.coordinator import snapshot
@@ -299,7 +299,6 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
     # ------------------------------------------------------------------------- the end
 
     def _finish(self) -> dict[str, Any]:
-        from keel.metrics import summarize
         if not any(e.kind == "run_end" for e in self.log.events[self.events_start:]):  # a successor's may be written
             for ep in filter(None, map(self.book.get, open_at_end(self.log.events[self.events_start:]))):
                 ep.stage = Stage.ENDED  # a spike that outlasts the run, its straggler still parked
