@@ -9,11 +9,11 @@ import altair as alt
 
 from app import data
 from keel.events import Event
-from keel.scenario import FAULT_CLASSES, Scenario
+from keel import fault_classes
+from keel.fault_classes import FAULT_CLASSES
+from keel.scenario import Scenario
 
-FAULT_COLOURS = {"hardware_fault": "#d62728", "network_jitter": "#ff7f0e",
-                 "partial_cluster_loss": "#9467bd", "data_shard_skew": "#8c564b",
-                 "coordinator_loss": "#e377c2"}
+FAULT_COLOURS = {fc.name: fc.colour for fc in fault_classes.classes()}
 STATE_COLOURS = {"launching": "#d9d9d9", "training": "#c7e9c0", "stalled": "#fdae6b", "restarting": "#e6550d",
                  "checkpoint": "#9ecae1", **FAULT_COLOURS}
 MARK_SHAPES = {"fault": "cross", "detect": "triangle-down", "recover_start": "diamond",

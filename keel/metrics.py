@@ -31,6 +31,7 @@ import bisect
 import statistics
 from typing import Any, Sequence
 
+from keel import fault_classes as FC
 from keel.events import Event
 
 EPISODE_KINDS = ("fault", "detect", "recover_start", "recover_end", "reslot", "quarantine", "restart")
@@ -127,13 +128,13 @@ def fault_episodes(events: Sequence[Event]) -> list[dict[str, Any]]:
 
 
 def open_at_end(events: Sequence[Event]) -> list[int]:
-    """The latency spikes whose episode has no `recover_end` yet, in the order they struck: a
+    """The episodes with a duration (keel.fault_classes: latency spikes) that have no `recover_end` yet, in the order they struck: a
     spike still on, or its straggler still parked, when the run ends. A completed run closes
     each just before its `run_end`, with a `recover_end` marked `at_run_end`; the twin and the
     runtime both call this, so both close the same episodes. (Every other episode ends with a
     commit; the twin's fault on an idle spare, which costs nothing, has no other event.)"""
     return [ep["fault_id"] for ep in fault_episodes(events)
-            if ep["class"] == "network_jitter" and "recover_end" not in ep["first_of"]]
+            if FC.get(ep["class"]).has_duration and "recover_end" not in ep["first_of"]]
 
 
 def since_fault_s(episode: dict[str, Any], kind: str) -> float | None:

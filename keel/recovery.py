@@ -20,24 +20,32 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
-COORDINATOR = "coordinator"  # the target of every coordinator_loss: there is one coordinator per job
+from keel import fault_classes as FC
+from keel.fault_classes import COORDINATOR  # noqa: F401  (re-exported: its home is the registry)
 
-ABSORB_ACTION = {
-    "hardware_fault": "replicate_resume",
-    "network_jitter": "backpressure_reslot",
-    "partial_cluster_loss": "shard_reweight_failover",
-    "data_shard_skew": "quarantine_resample",
-    # the supervisor starts a successor; the workers train on, rejoin it, and it aborts the
-    # current generation and forms the next (same slot map, no one lost)
-    "coordinator_loss": "coordinator_failover",
-}
+
+class _AbsorbActions(Mapping[str, str]):
+    """fault class -> its action under policy absorb, read from the registry (so a class
+    registered later is in it too)."""
+    def __getitem__(self, name: str) -> str:
+        return FC.REGISTRY[name].absorb_action
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FC.REGISTRY)
+
+    def __len__(self) -> int:
+        return len(FC.REGISTRY)
+
+
+ABSORB_ACTION: Mapping[str, str] = _AbsorbActions()
 RESTART_ACTION = "checkpoint_restart"
-# network_jitter under checkpoint_restart: nothing moves, the run sits the spike out
+# a class that does not stop the job (network_jitter) under checkpoint_restart: nothing
+# moves, the run sits the spike out
 ENDURE_ACTION = "endure"
-# data_shard_skew with policy.quarantine = false: the shard keeps yielding non-finite values
-# at the same step (it is data, not a transient), so neither redoing the step nor restarting
+# a class that fails without quarantine (data_shard_skew) with policy.quarantine = false:
+# the shard keeps yielding non-finite values at the same step (it is data, not a transient), so neither redoing the step nor restarting
 # from a checkpoint gets past it; the run stops there, failed, and says why
 FAIL_ACTION = "fail_run"
 
@@ -50,13 +58,12 @@ STRAGGLER_WARMUP_STEPS = 2
 
 def action_for(fault_class: str, policy_kind: str, quarantine: bool) -> str:
     """The recovery action (an event's `action`) for a fault of `fault_class`."""
-    if fault_class not in ABSORB_ACTION:
-        raise ValueError(f"unknown fault class {fault_class!r}")
-    if fault_class == "data_shard_skew" and not quarantine:
+    fc = FC.get(fault_class)  # an unknown class raises ValueError
+    if fc.fails_without_quarantine and not quarantine:
         return FAIL_ACTION
     if policy_kind == "checkpoint_restart":
-        return ENDURE_ACTION if fault_class == "network_jitter" else RESTART_ACTION
-    return ABSORB_ACTION[fault_class]
+        return RESTART_ACTION if fc.stops_job else ENDURE_ACTION
+    return fc.absorb_action
 
 
 def shard_skipped(quarantine: bool, quarantined: Sequence[str] | set[str], shard: str) -> bool:
@@ -224,18 +231,9 @@ class ResolvedFault:
 
 def resolve_schedule(scenario: Any) -> list[ResolvedFault]:
     """Every scheduled fault of `scenario` (a keel.scenario.Scenario), in file order."""
-    f = scenario.faults
     out = []
-    for i, e in enumerate(f.schedule):
-        kw: dict[str, Any] = {}
-        if e.class_ == "network_jitter":
-            kw["spike_ms"] = e.spike_ms if e.spike_ms is not None else f.network_jitter.spike_ms
-            kw["duration_s"] = e.duration_s if e.duration_s is not None else f.network_jitter.duration_s
-        elif e.class_ == "partial_cluster_loss":
-            kw["nodes"] = e.nodes if e.nodes is not None else f.partial_cluster_loss.nodes
-        elif e.class_ == "data_shard_skew":
-            kw["shard"] = int(e.target.split("/")[1])
-        target = COORDINATOR if e.class_ == "coordinator_loss" else e.target
+    for i, e in enumerate(scenario.faults.schedule):
+        target, kw = FC.get(e.class_).resolve(e, scenario.faults)
         out.append(ResolvedFault(i, e.at_step, e.class_, target, **kw))
     return out
 

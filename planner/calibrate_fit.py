@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from keel.calibration import MEASURED, entry, unit
-from keel.recovery import ABSORB_ACTION
+from keel import fault_classes as FC
+from keel.recovery import ABSORB_ACTION, COORDINATOR
 from keel.metrics import fault_episodes, mean_step_s_after_warmup
 
 RUN_KEYS = tuple(MEASURED)
@@ -56,13 +57,13 @@ def pauses(events: Sequence[Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     for ep in fault_episodes(events):
         first = ep["first_of"]
-        if ep["class"] not in ("hardware_fault", "partial_cluster_loss") or not {"reslot", "recover_end"} <= set(first):
+        kind = FC.get(ep["class"]).node_loss
+        if kind is None or not {"reslot", "recover_end"} <= set(first):
             continue
         end = first["recover_end"]
         redo = generation_mean_step_s(events, end.detail["gen"]) if "gen" in end.detail else None
         if redo is None:
             continue
-        kind = "rack" if ep["class"] == "partial_cluster_loss" else "kill"
         out[kind] = end.t - first["reslot"].t - float(end.detail.get("state_s", 0.0)) - redo
     return out
 
@@ -72,7 +73,7 @@ def coordinator_acks(events: Sequence[Any]) -> list[float]:
     out = []
     for ep in fault_episodes(events):
         end = ep["first_of"].get("recover_end")
-        if (ep["class"] == "coordinator_loss" and ep["action"] == ABSORB_ACTION["coordinator_loss"]
+        if (ep["target"] == COORDINATOR and ep["action"] == ABSORB_ACTION[ep["class"]]
                 and end is not None and "ack_s" in end.detail):
             out.append(float(end.detail["ack_s"]))
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from keel import fault_classes as FC
 from keel import scenario as S
 from keel.errors import InputError
 
@@ -46,13 +47,7 @@ def spares_range(scenario: S.Scenario, extra: int = 4) -> tuple[int, int]:
 
 def schedule_only(scenario: S.Scenario) -> S.Scenario:
     """The scenario with every stochastic fault rate at 0: only `faults.schedule` strikes."""
-    return scenario.with_overrides({
-        "faults.hardware_fault.mtbf_node_hours": 0.0,
-        "faults.network_jitter.per_day": 0.0,
-        "faults.partial_cluster_loss.per_day": 0.0,
-        "faults.data_shard_skew.per_day": 0.0,
-        "faults.coordinator_loss.per_day": 0.0,
-    })
+    return scenario.with_overrides(FC.rate_overrides(0.0))
 
 
 def paid_nodes(scenario: S.Scenario) -> int:
@@ -79,14 +74,8 @@ def interruptions_per_s(scenario: S.Scenario) -> float:
     """Rate of faults that stop a checkpoint_restart job: a training node's hardware fault, a
     rack loss, a NaN shard, the coordinator's death (a latency spike slows the job but does not
     stop it)."""
-    f = scenario.faults
-    rate_h = 0.0
-    if f.hardware_fault.mtbf_node_hours > 0:
-        rate_h += scenario.training_nodes / f.hardware_fault.mtbf_node_hours
-    rate_h += f.partial_cluster_loss.per_day / 24.0
-    rate_h += f.data_shard_skew.per_day / 24.0
-    rate_h += f.coordinator_loss.per_day / 24.0
-    return rate_h / 3600.0
+    return sum(fc.rate_per_s(getattr(scenario.faults, fc.name), scenario.training_nodes)
+               for fc in FC.classes() if fc.stops_job)
 
 
 def job_mtbf_s(scenario: S.Scenario, step_time_s: float) -> float:
@@ -95,7 +84,7 @@ def job_mtbf_s(scenario: S.Scenario, step_time_s: float) -> float:
     rate = interruptions_per_s(scenario)
     if rate > 0:
         return 1.0 / rate
-    scheduled = [e for e in scenario.faults.schedule if e.class_ != "network_jitter"]
+    scheduled = [e for e in scenario.faults.schedule if FC.get(e.class_).stops_job]
     run_s = scenario.run.steps * step_time_s
     return run_s / len(scheduled) if scheduled else math.inf
 

@@ -35,6 +35,7 @@ import torch
 
 from keel.durable import fsync_dir, write_synced
 from keel.errors import InputError
+from keel.scenario_base import canonical_json
 
 FORMAT = "keel-dataset"
 FORMAT_VERSION = 1
@@ -58,10 +59,6 @@ def default_root(shards: int = 16) -> Path:
     else:
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "keel" / "data"
     return base / f"stdlib-{shards}"
-
-
-def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 def shard_name(i: int) -> str:

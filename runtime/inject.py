@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from keel import fault_classes as FC
 from keel.recovery import resolve_schedule
 from keel.scenario import Scenario, spike_factor
 
@@ -41,10 +42,9 @@ class Planned:
 
 def planned_faults(scenario: Scenario, no_faults: bool = False, extra_hangs: str | None = None) -> list[Planned]:
     """The scheduled faults (keel.recovery.resolve_schedule) as injections, plus test hangs."""
-    modes = {"network_jitter": "jitter", "data_shard_skew": "poison", "coordinator_loss": "coordinator"}
     out: list[Planned] = []
     if not no_faults:
-        out = [Planned(r.index, r.at_step, r.cls, r.target, r.params(), modes.get(r.cls, "kill"))
+        out = [Planned(r.index, r.at_step, r.cls, r.target, r.params(), FC.get(r.cls).injection)
                for r in resolve_schedule(scenario)]
     hangs = extra_hangs if extra_hangs is not None else os.environ.get(HANG_ENV, "")
     for j, item in enumerate(x for x in hangs.split(",") if x.strip()):

@@ -9,6 +9,7 @@ from pathlib import Path
 import streamlit as st
 
 from app import charts, data, ui
+from keel import fault_classes
 from keel import scenario as sc
 from keel.errors import InputError
 
@@ -149,11 +150,8 @@ with edit_col:
             st.error(s["topology_reshape_error"], icon=":material/error:")
     with st.expander("Fault rates"):
         f = base.faults
-        field("float", "faults.hardware_fault.mtbf_node_hours", "hardware: MTBF per node (hours, 0 = off)", f.hardware_fault.mtbf_node_hours)
-        field("float", "faults.network_jitter.per_day", "network jitter: spikes per day", f.network_jitter.per_day)
-        field("float", "faults.partial_cluster_loss.per_day", "partial cluster loss: events per day", f.partial_cluster_loss.per_day)
-        field("float", "faults.data_shard_skew.per_day", "data shard skew: bad shards per day", f.data_shard_skew.per_day)
-        field("float", "faults.coordinator_loss.per_day", "coordinator loss: deaths per day", f.coordinator_loss.per_day)
+        for fc in fault_classes.classes():
+            field("float", f"faults.{fc.name}.{fc.rate_key}", fc.rate_label, getattr(getattr(f, fc.name), fc.rate_key))
     with st.expander("Policy"):
         p = base.policy
         field("select", "policy.kind", "policy", p.kind, options=["absorb", "checkpoint_restart"])
