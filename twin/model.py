@@ -12,9 +12,10 @@ Where things live in twin/:
 - steps.py: `StepShape`, drawing a segment's step times, and `Segment`, steps drawn at once;
   topology.py: the networkx graph and
   the routed costs (reduction, spike delay, transfer bandwidth).
-- faults.py: `Faults`: drawn arrivals, the schedule, `strike_*`, detection, repair, spike ends.
+- faults.py: `Faults`: fault ids, the schedule, node faults' detection and repair.
 - checkpoints.py: `Checkpoints`: when one is due, its pause, the background write.
-- coordinator.py: what a coordinator's loss does to the trainer (a mixin of `Simulation`).
+- fault_kinds/: each fault class's strike and arrivals, one module per class (and
+  coordinator_loss.py: what a coordinator's loss does to the trainer, a mixin of `Simulation`).
 - stragglers.py: `Stragglers`: re-slots under absorb that no death forces (a straggler parked
   and brought back, a rejoined spare relieving overloaded nodes).
 - params.py: `TwinParams`, the scenario's figures with a calibration's applied.
@@ -53,7 +54,7 @@ Semantics (docs/design.md for step numbering and fault ids):
   policy.quarantine the shard is quarantined; absorb redoes the step, checkpoint_restart rolls
   back to the last checkpoint (a restart). A drawn NaN on a quarantined shard is skipped.
   Without policy.quarantine the run stops there, failed (`run_end` completed = false).
-- `coordinator_loss`: twin/coordinator.py.
+- `coordinator_loss`: twin/fault_kinds/coordinator_loss.py.
 - `checkpoint_restart`: any node fault or NaN stops the job: a `restart` at detection, the
   dead nodes replaced by hot spares (else by a new node, + replace_node_s), a pause of
   restart_s + checkpoint load (per-node share / read bandwidth), and the steps since the last
@@ -86,12 +87,13 @@ from typing import Any, Generator
 import numpy as np
 import simpy
 
+from keel import fault_classes as FC
 from keel.events import Event
 from keel import recovery as R
 from keel.metrics import open_at_end
 from keel.scenario import Scenario
 from twin.checkpoints import Checkpoints
-from twin.coordinator import CoordinatorLossMixin
+from twin.fault_kinds.coordinator_loss import CoordinatorLossMixin
 from twin.cluster import Cluster
 from twin.cost import StepCost
 from twin.faults import Cause, Faults
@@ -117,15 +119,15 @@ class Simulation(CoordinatorLossMixin):
         self.topology = topology or Topology(scenario)
         self.absorb = scenario.policy.kind == "absorb"
         # one stream per use; a new one goes last, so the others' draws stay as they were
-        streams = np.random.SeedSequence(seed).spawn(7)
-        rng_steps, *fault_rngs = (np.random.Generator(np.random.PCG64(s)) for s in streams)
+        streams = np.random.SeedSequence(seed).spawn(2 + len(FC.REGISTRY))
+        rng_steps, rng_detect, *class_rngs = (np.random.Generator(np.random.PCG64(s)) for s in streams)
         self.step_noise = NormalPool(rng_steps)
         self.env = simpy.Environment()
         self.events: list[Event] = []
         self.cluster = Cluster(scenario, params.slot_compute_s)
         self.cost = StepCost(scenario, params, self.topology, self.cluster)
         self.healthy_step_s = self.cost.healthy_step_s
-        self.faults = Faults(self, *fault_rngs)
+        self.faults = Faults(self, rng_detect, dict(zip(FC.REGISTRY, class_rngs)))
         self.stragglers = Stragglers(self)
         self.checkpoints = Checkpoints(self)
 
@@ -349,7 +351,7 @@ class Simulation(CoordinatorLossMixin):
         self.new_generation()
         if done:
             for fid in self.awaiting_recovery:
-                if self.faults.info[fid].fault == "coordinator_loss":
+                if fid in self.failovers:  # a coordinator_loss (twin/fault_kinds/coordinator_loss.py)
                     self._failover_done(fid)
                 else:
                     self.emit_episode("recover_end", fid)
@@ -442,7 +444,7 @@ class Simulation(CoordinatorLossMixin):
                 continue
             self.quarantined.add(info.target)
             self.emit_episode("quarantine", fid, shard=info.target)
-            if info.action == R.ABSORB_ACTION["data_shard_skew"]:
+            if info.action != R.RESTART_ACTION:  # absorb: quarantined and resampled
                 self.emit_episode("recover_end", fid)
             else:  # checkpoint_restart: the shard is quarantined, then the job restarts
                 self.restart_for.append(fid)

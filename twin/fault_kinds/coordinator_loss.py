@@ -1,6 +1,8 @@
-"""What a coordinator's loss does to the twin's trainer (a mixin of twin.model.Simulation).
+"""`coordinator_loss` in the twin: the strike, its drawn arrivals, and what it does to the
+trainer (`CoordinatorLossMixin`, a mixin of twin.model.Simulation).
 
-`coordinator_loss`: the coordinator process dies; its supervisor sees the exit at once
+The coordinator process dies (a scheduled one is killed: mode "kill"; a drawn one dies of
+something else: "external"); its supervisor sees the exit at once
 (`fault`, `detect` with detect_s 0 and `recover_start` at one instant) and its successor
 has loaded the state and has every worker back `coordinator_restart_s` later (twin/params.py).
 Under absorb the workers train on meanwhile and nothing of that is lost: the twin modelled
@@ -20,10 +22,42 @@ the runtime nobody re-forms the group until the successor is up).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generator
 
+from keel import recovery as R
 from keel.events import Event
-from twin.faults import Cause
+from twin.faults import DAY, Cause, FaultInfo
+
+if TYPE_CHECKING:
+    from twin.faults import Faults
+
+NAME = "coordinator_loss"
+
+
+def strike(faults: Faults, scheduled: bool) -> None:
+    """The coordinator dies; its supervisor sees the exit at once (`detect` at the fault,
+    detect_s 0) and the successor is up `coordinator_restart_s` later (a `coordinator_up`)."""
+    fid = faults.new_fault(FaultInfo(NAME, R.COORDINATOR, faults.action(NAME)))
+    faults.sim.emit_episode("fault", fid, scheduled=scheduled, mode="kill" if scheduled else "external")
+    faults.sim.emit_episode("detect", fid, detect_s=0.0)
+    faults.sim.emit_episode("recover_start", fid)
+    faults.sim.coordinator_down(fid)
+    faults.env.process(_successor(faults, fid, faults.params.coordinator_restart_s))
+
+
+def fire_scheduled(faults: Faults, entry: Any) -> None:
+    strike(faults, True)
+
+
+def arrivals(faults: Faults, table: Any, rng: Any) -> Generator:
+    while True:
+        yield faults.env.timeout(rng.exponential(DAY / table.per_day))
+        strike(faults, False)
+
+
+def _successor(faults: Faults, fid: int, after_s: float) -> Generator:
+    yield faults.env.timeout(after_s)
+    faults.sim.notify(Cause("coordinator_up", fid, interrupts_run=True))
 
 
 class CoordinatorLossMixin:
