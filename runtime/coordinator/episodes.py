@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from keel import fault_classes as FC
+
 
 class Stage(enum.IntEnum):
     STRUCK = 0
@@ -105,14 +107,14 @@ class EpisodeBook:
     def jitter_on(self, node: str) -> Episode | None:
         """The latest unended latency spike on `node`."""
         for ep in reversed(list(self.episodes.values())):
-            if ep.cls == "network_jitter" and node in ep.nodes and not ep.ended:
+            if FC.get(ep.cls).has_duration and node in ep.nodes and not ep.ended:
                 return ep
         return None
 
     def bad_shard(self, suspects: list[int]) -> Episode | None:
         """The latest unended data fault on one of the `suspects` shards."""
         for ep in reversed(list(self.episodes.values())):
-            if ep.cls == "data_shard_skew" and not ep.ended and int(ep.target.split("/")[1]) in suspects:
+            if FC.get(ep.cls).shard_target and not ep.ended and FC.shard_number(ep.target) in suspects:
                 return ep
         return None
 
@@ -121,7 +123,7 @@ class EpisodeBook:
         now waits for the next generation, to land during the recovery). One that struck only
         spares re-forms nothing: nothing waits for it (whether its loss is detected yet or not,
         which is a matter of timing)."""
-        return any(not ep.ended and ep.cls != "network_jitter" and any(n in members for n in ep.nodes)
+        return any(not ep.ended and FC.get(ep.cls).node_loss is not None and any(n in members for n in ep.nodes)
                    for ep in self.episodes.values())
 
     def due(self, gen: int, step: int | None, now: float | None = None) -> list[Episode]:

@@ -12,7 +12,6 @@ twin; a spike whose nodes are all lost ends at the next commit.
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -21,7 +20,7 @@ from typing import Any
 from keel import recovery as R
 from keel.events import Event
 
-from runtime.coordinator import snapshot
+from runtime.coordinator import injections
 from runtime.coordinator.episodes import Episode, Stage
 from runtime.coordinator.generations import JOIN_TIMEOUT_S
 from runtime.inject import Planned
@@ -34,6 +33,8 @@ class FaultsMixin:
         self.to_park: dict[str, int | None] = {}
         self.to_unpark: dict[str, int | None] = {}
         self.nonfinite: dict[int, dict[str, list[int]]] = {}
+        for p in self.planned:  # imported now, not at the commit that fires it (an unknown class fails here)
+            injections.module(p.cls)
 
     def emit_ep(self, kind: str, ep: Episode, t: float | None = None, **detail: Any) -> Event:
         return self.emit(kind, fault=ep.cls, target=ep.target, action=ep.action, t=t,
@@ -68,47 +69,10 @@ class FaultsMixin:
         return bool(w and w.alive)
 
     def _fire(self, p: Planned) -> bool:
+        """Perform `p` by its class's injection (injections/<class>.py); True where it killed
+        or stopped a worker."""
         planned = self.fired - 1  # its place in self.planned: a successor replays it as fired (snapshot.py)
-        if p.mode == "coordinator":  # this process dies by a real SIGKILL, its state saved; the supervisor replaces it
-            self._new_episode(p.cls, p.target, mode="kill", pid=os.getpid(), planned=planned)
-            snapshot.save(self)
-            self.link.sock.setblocking(True)
-            self.link.send({"type": "dying", "why": f"the scheduled coordinator_loss at step {p.at_step}"})
-            os.kill(os.getpid(), signal.SIGKILL)
-        if p.mode == "poison":
-            if R.shard_skipped(self.policy.quarantine, {f"shard/{s}" for s in self.quarantine}, p.target):
-                return False  # quarantined already: it yields nothing bad again (the twin fires nothing either)
-            self._new_episode(p.cls, p.target, shard=p.params["shard"], from_step=p.at_step + 1, planned=planned)
-            return False
-        if p.mode == "jitter":
-            targets = [n for n in self.nodes if (n == p.target or self.region_of[n] == p.target) and self._live(n)]
-            ep = self._new_episode(p.cls, p.target, nodes=targets, planned=planned, **p.params)
-            ep.nodes = targets
-            ep.until = ep.t + float(p.params["duration_s"])
-            scope = "node" if "/" in p.target else "region"
-            for n in targets:
-                self.workers[n].chan.send({"type": "jitter", "index": p.index, "scope": scope, **p.params})
-            return False
-        if p.cls == "partial_cluster_loss":
-            live = [n for n in self.nodes if self.region_of[n] == p.target and self._live(n)]
-            targets = R.rack_victims(live, p.params["nodes"])
-        else:
-            targets = [p.target] if self._live(p.target) else []
-        if not targets:  # every target is down already: nothing to strike (the twin fires nothing either)
-            return False
-        ep = self._new_episode(p.cls, p.target, nodes=targets, mode=p.mode, planned=planned)
-        ep.nodes = targets
-        sig = signal.SIGSTOP if p.mode == "hang" else signal.SIGKILL
-        for n in targets:  # one loop: the same moment
-            self.book.killed[n] = ep.fault_id
-            w = self.workers[n]
-            # emulated: the machine crashed, so only the policy's heartbeat timeout can find it
-            w.machine_down = self.emulated and p.mode == "kill"
-            if w.proc is not None:
-                w.proc.signal(sig)
-            elif p.mode == "kill" and w.chan is not None:
-                w.chan.send({"type": "kill"})
-        return bool(targets)
+        return injections.module(p.cls).fire(self, p, planned)
 
     # ------------------------------------------------------------------------- a lost worker
 

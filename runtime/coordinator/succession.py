@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
+from keel.fault_classes import COORDINATOR
+
 from runtime.coordinator import snapshot
 from runtime.coordinator.episodes import Stage
 from runtime.coordinator.generations import JOIN_TIMEOUT_S
@@ -126,9 +128,9 @@ class SuccessionMixin:
                 continue
             noticed = max(0.0, (float(death["noticed"]) - self.t0) / self.scale)  # monotonic is machine-wide
             first = noticed if first is None else first
-            ep = next((e for e in self.book if e.cls == "coordinator_loss" and e.stage == Stage.STRUCK), None)
+            ep = next((e for e in self.book if e.target == COORDINATOR and e.stage == Stage.STRUCK), None)
             if ep is None:  # nobody injected this: a real death (or a hang the supervisor ended)
-                ep = self._new_episode("coordinator_loss", "coordinator", t=noticed, mode="external", how=death["how"])
+                ep = self._new_episode("coordinator_loss", COORDINATOR, t=noticed, mode="external", how=death["how"])
             ep.detect(noticed)
             self.emit_ep("detect", ep, t=noticed, how=death["how"], detect_s=noticed - ep.t, death=death["n"])
             ep.start_recovery(self.now())
