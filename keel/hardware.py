@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from keel.scenario import Scenario
+from keel.scenario import Scenario, region_of
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 
@@ -134,5 +134,5 @@ def ring_members(scenario: Scenario, members: Iterable[str]) -> list[list[str]]:
     by_region: dict[str, list[str]] = {}
     for n in scenario.node_names:
         if n in members:
-            by_region.setdefault(n.rsplit("/", 1)[0], []).append(n)
+            by_region.setdefault(region_of(n), []).append(n)
     return [by_region[r] for r in region_ring(scenario, by_region)]

@@ -209,6 +209,31 @@ def probe_recovered(probe_s: float, median_per_slot_s: float, factor: float) -> 
     return probe_s < straggler_excess_s(median_per_slot_s, factor)
 
 
+# The straggler window: `policy.straggler_window` slow steps in a row park a straggler, as many
+# good probes in a row bring it back, as many fine steps in a row end a spike that never
+# moved anything; the first STRAGGLER_WARMUP_STEPS steps of a generation are not judged.
+
+def in_a_row(count: int, hit: bool) -> int:
+    """A run's length after one more observation: one more where `hit`, else back to 0."""
+    return count + 1 if hit else 0
+
+
+def window_full(count: int, window: int) -> bool:
+    """`count` in a row fill the straggler window."""
+    return count >= window
+
+
+def first_judged_step(gen_start_step: int) -> int:
+    """The first step (a 1-based step number) of a generation, started after step
+    `gen_start_step`, that the straggler rule judges."""
+    return gen_start_step + STRAGGLER_WARMUP_STEPS + 1
+
+
+def window_end_step(first_slow_step: int, window: int) -> int:
+    """The step whose commit fills the window of slow steps that starts at `first_slow_step`."""
+    return first_slow_step + window - 1
+
+
 # ----------------------------------------------------------------------------- the schedule
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from keel.fault_classes import (COORDINATOR, CoordinatorLoss, DataShardSkew, FAU
                                 HardwareFault, NetworkJitter, PartialClusterLoss)
 from keel.scenario_base import (FLOAT_LIMIT, FLOAT_TINY, INT_LIMIT, MAX_FAULTS_PER_S, MAX_NODES,  # noqa: F401
                                 MAX_SHARDS, MAX_SLOTS, MAX_STEPS, ScenarioError, _doc, _is_index, _py_name,
-                                _toml_name, _unit, canonical_json, region_of)
+                                _toml_name, _unit, canonical_json, is_node, region_of)
 from keel.scenario_check import check as _check  # noqa: F401
 from keel.scenario_load import (_Loader, _toml_dump, _type_name, apply_override, describe_schema,  # noqa: F401
                                 dumps, from_dict, load, loads, override_text, parse_override, toml_value)

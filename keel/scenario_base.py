@@ -62,3 +62,8 @@ def _is_index(text: str) -> bool:
 def region_of(node: str) -> str:
     """The region of a node named 'region/i' (region names have no '/')."""
     return node.rsplit("/", 1)[0]
+
+
+def is_node(target: str) -> bool:
+    """Whether a fault's target names a node ('region/i') rather than a region."""
+    return "/" in target

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from keel.scenario import region_of
+
 from runtime.emulation.worker import EmulatedNodeMixin
 from runtime.groups import PG_TIMEOUT, GroupFactory
 from runtime.inject import CommGate, kill_self, poisoned_at
@@ -228,7 +230,7 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
         self.standby = False
         self.quarantine = frozenset(msg.get("quarantine", ()))
         self.poison = [list(p) for p in msg.get("poison", [])]
-        region = self.node.rsplit("/", 1)[0]
+        region = region_of(self.node)
         self.gate.expect([[index, from_step, spike_ms, duration_s, "node" if target == self.node else "region"]
                           for index, target, from_step, spike_ms, duration_s in msg.get("jitter", [])
                           if target in (self.node, region)])

@@ -6,6 +6,7 @@ what the coordinator calls when a generation ends); its per-fault actions throug
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,8 @@ from keel.errors import RunFailed
 from keel.events import read_events
 from keel.scenario import loads
 from runtime.coordinator.planning import Loss, View, WorkerView, initial_slot_map, plan_generation
+
+REPO = Path(__file__).resolve().parents[1]
 
 # three regions with different GPU counts and speeds: a region's capacity is its nodes' speed
 REGIONS = [("r0", 2, 8, 1.0), ("r1", 2, 1, 2.0), ("r2", 3, 4, 1.0)]
@@ -180,3 +183,22 @@ def test_a_spare_gets_its_state_from_its_own_region_on_both_sides():
     nbytes = hardware.state_copy_bytes(sc, 1)
     assert cost.transfer_s([("ap-southeast/6", 1)]) == pytest.approx(
         lat("ap-southeast", "ap-southeast") + nbytes / hardware.node_bytes_s(sc, "ap-southeast"))
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_the_straggler_window_parks_after_as_many_slow_steps_on_both_sides(window):
+    """The window (keel.recovery: in_a_row, window_full, window_end_step) is one rule: the twin
+    moves a spiked node's slots and the runtime's watch parks a straggler at the step that
+    fills `window` slow steps from the first slow one."""
+    from keel import recovery as R
+    from runtime.coordinator.stragglers import StragglerWatch
+    sc = loads((REPO / "scenarios/local-8.toml").read_text(), overrides=[f"policy.straggler_window={window}"])
+    spike = [e for e in twin.simulate(sc).events if e.fault == "network_jitter"]
+    detect = next(e.step for e in spike if e.kind == "detect")
+    moved = next(e.step for e in spike if e.kind == "recover_start")
+    watch = StragglerWatch(sc.policy.straggler_factor, window)
+    reports = {"a": {"ready_s": 0.1, "slots": 1}, "b": {"ready_s": 0.1, "slots": 1}, "c": {"ready_s": 0.5, "slots": 1}}
+    first = R.first_judged_step(10)
+    parked = next(k for k in range(first, first + 10) if any(v.park for v in watch.judge(reports, True)))
+    assert moved == R.window_end_step(detect, window)
+    assert parked == R.window_end_step(first, window)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keel import recovery as R
-from keel.scenario import Scenario
+from keel.scenario import Scenario, is_node, region_of
 
 
 @dataclass(slots=True)
@@ -46,7 +46,7 @@ class Spike:
 
     def covers(self, node: str) -> bool:
         """Whether the spike's target (a node, or a region) covers `node` ("region/i")."""
-        return node == self.target if "/" in self.target else node.split("/")[0] == self.target
+        return node == self.target if is_node(self.target) else region_of(node) == self.target
 
 
 class Cluster:
@@ -104,7 +104,7 @@ class Cluster:
 
     def spiked_holders(self, sp: Spike) -> list[Node]:
         """The nodes holding slots that a spike's target covers (a node, or a region's)."""
-        if "/" in sp.target:
+        if is_node(sp.target):
             n = self.nodes[sp.target]
             return [n] if n.up and n.role == "train" and n.slots > 0 else []
         return [n for n in self.active() if n.region == sp.target and n.slots > 0]

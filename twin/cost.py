@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 from keel import hardware, recovery as R
-from keel.scenario import Scenario, spike_factor
+from keel.scenario import Scenario, is_node, spike_factor
 from twin.cluster import Cluster, Node, Spike
 from twin.params import TwinParams
 from twin.steps import StepShape
@@ -83,7 +83,7 @@ class StepCost:
         spike = 0.0
         if with_spikes:
             for sp in c.spikes.values():
-                if sp.active and not sp.moves and ("/" not in sp.target or is_member(sp.target)):
+                if sp.active and not sp.moves and (not is_node(sp.target) or is_member(sp.target)):
                     spike = max(spike, self.spike_delay(sp, per_region))
         return StepShape(tuple(sorted((n, base, offset.get(region, 0.0)) for (region, base), n in groups.items())),
                          p.compute_jitter, p.step_overhead_s + spike, red.latency_s * lat_scale, red.jitter_s)

@@ -52,7 +52,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from keel.calibration import CalibrationError, load as load_calibration, medians
-from keel.scenario import Scenario
+from keel.scenario import Scenario, region_of
 from twin.topology import Topology
 
 __all__ = ["TwinParams", "CalibrationError", "load_calibration", "DEFAULT_REFORM_S"]
@@ -91,7 +91,7 @@ class TwinParams:
         c = scenario.checkpoint
         active: dict[str, int] = {}
         for name in scenario.node_names[: scenario.training_nodes]:
-            region = name.split("/", 1)[0]
+            region = region_of(name)
             active[region] = active.get(region, 0) + 1
         reduction = topology.reduction(active)
         detect = p.detect_timeout_s - p.heartbeat_s / 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Generator
 
 from keel import recovery as R
+from keel.scenario import is_node
 from twin.cluster import Node, merge
 
 if TYPE_CHECKING:
@@ -94,9 +95,9 @@ class Stragglers:
         if delay <= 0 or excess <= R.straggler_excess_s(med, p.straggler_factor):
             return
         first = sim.committed + 1 + (1 if sim.carry_s is not None and not sp.in_flight else 0)
-        first = max(first, sim.gen_start + R.STRAGGLER_WARMUP_STEPS + 1)
+        first = max(first, R.first_judged_step(sim.gen_start))
         self.detect_at[fid] = first
-        self.watches[fid] = first + p.straggler_window - 1
+        self.watches[fid] = R.window_end_step(first, p.straggler_window)
 
     def detect_due(self) -> None:
         """`detect` every watched spike whose first slow step is committed."""
@@ -118,7 +119,7 @@ class Stragglers:
         if not sp.detected:
             sp.detected = True
             sim.emit_episode("detect", fid, slow_steps=self.policy.straggler_window)
-        if "/" in sp.target:
+        if is_node(sp.target):
             movers = [c.nodes[sp.target]] if c.nodes[sp.target].up and c.nodes[sp.target].slots > 0 else []
         else:
             movers = [n for n in c.active() if n.region == sp.target and n.slots > 0]

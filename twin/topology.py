@@ -33,7 +33,7 @@ from typing import Iterable
 import networkx as nx
 
 from keel import hardware
-from keel.scenario import Scenario
+from keel.scenario import Scenario, is_node, region_of
 
 GBIT = hardware.GBIT
 
@@ -151,8 +151,8 @@ class Topology:
         node_spike = region_spike = None
         if spike is not None:
             target, seconds = spike
-            if "/" in target:
-                node_spike = (target.split("/", 1)[0], seconds)
+            if is_node(target):
+                node_spike = (region_of(target), seconds)
             else:
                 region_spike = (target, seconds)
 
@@ -205,7 +205,7 @@ class Topology:
     def spike_delay_s(self, target: str, spike_s: float, active_per_region: dict[str, int]) -> float:
         """Extra time a latency spike of `spike_s` on `target` (a node or a region's links)
         adds to one all-reduce over `active_per_region` (`collective_s` with and without it)."""
-        region = target.split("/", 1)[0]
+        region = region_of(target)
         if active_per_region.get(region, 0) == 0 or spike_s <= 0:
             return 0.0
         nbytes = float(self.scenario.workload.gradient_bytes)

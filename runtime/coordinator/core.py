@@ -19,7 +19,7 @@ from typing import Any
 from keel.errors import InputError, RunFailed
 from keel.events import Event, EventLog
 from keel.metrics import open_at_end, summarize
-from keel.scenario import Scenario
+from keel.scenario import Scenario, region_of
 
 from runtime.coordinator import snapshot
 from runtime.coordinator.admission import AdmissionMixin
@@ -71,7 +71,7 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
         self.policy = scenario.policy
         self.total = scenario.run.steps
         self.nodes = scenario.node_names
-        self.region_of = {n: n.rsplit("/", 1)[0] for n in self.nodes}
+        self.region_of = {n: region_of(n) for n in self.nodes}
         self.order = {n: i for i, n in enumerate(self.nodes)}
         self.training = self.nodes[: scenario.training_nodes]
         self.planned = planned_faults(scenario, no_faults, hangs)

@@ -126,5 +126,11 @@ class EpisodeBook:
         return any(not ep.ended and FC.get(ep.cls).node_loss is not None and any(n in members for n in ep.nodes)
                    for ep in self.episodes.values())
 
+    def end_with_generation(self, gen: int) -> None:
+        """Episodes under recovery whose end is not set end at the first commit of `gen`."""
+        for ep in self.episodes.values():
+            if ep.recovering and ep.end_gen is None:
+                ep.end_gen = gen
+
     def due(self, gen: int, step: int | None, now: float | None = None) -> list[Episode]:
         return [ep for ep in self.episodes.values() if ep.due(gen, step, now)]

@@ -143,7 +143,7 @@ class FaultsMixin:
                     return
             elif ep is not None and ep.stage == Stage.DETECTED:
                 ep.ok += 1  # detected but never moved: over once it is fine for a window
-                if ep.ok >= self.policy.straggler_window:
+                if R.window_full(ep.ok, self.policy.straggler_window):
                     ep.stage = Stage.RECOVERING
                     self._end_episode(ep)
 

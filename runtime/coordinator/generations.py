@@ -149,7 +149,11 @@ class GenerationsMixin:
         for m in self.pending_acks:
             if self.workers[m].chan is not None:
                 self.workers[m].chan.send({"type": "abort", "gen": self.gen})
-        self.abort_deadline = time.monotonic() + max(2.0, 2 * self.policy.detect_timeout_s * self.scale)
+        self.abort_deadline = time.monotonic() + self._abort_wait_s()
+
+    def _abort_wait_s(self) -> float:
+        """How long the members of an aborted generation have to acknowledge (wall seconds)."""
+        return max(2.0, 2 * self.policy.detect_timeout_s * self.scale)
 
     def _next_generation(self) -> None:
         plan = plan_generation(self.view())
@@ -181,9 +185,7 @@ class GenerationsMixin:
                 self.emit("reslot", action=R.ABSORB_ACTION["network_jitter"], **detail)
         self.slot_map = slot_map
         self.gen_t.setdefault(self.gen + 1, {})["abort_s"] = self.now() - self.t_abort
-        for ep in self.book:
-            if ep.recovering and ep.end_gen is None:
-                ep.end_gen = self.gen + 1
+        self.book.end_with_generation(self.gen + 1)
         self._announce(load=None, start=plan.start)
 
     # ------------------------------------------------------------------------- commits
@@ -214,7 +216,7 @@ class GenerationsMixin:
         self.last_commit_t = now
         self.last_progress = time.monotonic()
         self.bar.update(1)
-        if reps and check and k - self.gen_start_step > R.STRAGGLER_WARMUP_STEPS:
+        if reps and check and k >= R.first_judged_step(self.gen_start_step):
             self._watch_stragglers({m: r for m, r in reps.items() if m in self.slot_map})
         if k >= self.total:
             self.phase = "finishing"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from keel import recovery as R
+from keel.scenario import region_of
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class View:
     losses: Mapping[str, Loss] = field(default_factory=dict)           # lost member -> its episode
 
     def region_of(self, node: str) -> str:
-        return node.rsplit("/", 1)[0]
+        return region_of(node)
 
     @property
     def order(self) -> dict[str, int]:

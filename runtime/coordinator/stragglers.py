@@ -47,8 +47,8 @@ class StragglerWatch:
             prev = self.per_slot.get(m)
             self.per_slot[m] = v if prev is None else 0.7 * prev + 0.3 * v
             slow = R.is_straggler(v, med, self.factor)
-            self.slow[m] = self.slow.get(m, 0) + 1 if slow else 0
-            park = slow and may_park and self.slow[m] >= self.window
+            self.slow[m] = R.in_a_row(self.slow.get(m, 0), slow)
+            park = slow and may_park and R.window_full(self.slow[m], self.window)
             out.append(Verdict(m, slow, v, med, park))
             if park:
                 break
@@ -57,8 +57,8 @@ class StragglerWatch:
     def probe(self, node: str, probe_s: float) -> bool:
         """A parked straggler's probe of its path; True once `window` in a row were good."""
         good = R.probe_recovered(probe_s, self.median_per_slot or 0.0, self.factor)
-        self.ok_probes[node] = self.ok_probes.get(node, 0) + 1 if good else 0
-        return self.ok_probes[node] >= self.window
+        self.ok_probes[node] = R.in_a_row(self.ok_probes.get(node, 0), good)
+        return R.window_full(self.ok_probes[node], self.window)
 
     def back_in(self, node: str) -> None:
         self.ok_probes[node] = 0

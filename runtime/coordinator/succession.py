@@ -143,7 +143,7 @@ class SuccessionMixin:
         if self.policy.kind == "checkpoint_restart" and was != "finishing" and ep is not None:
             self.phase = "running"  # _restart relaunches from any phase but its own
             self._restart(ep)
-            self._end_with_next_generation()
+            self.book.end_with_generation(self.gen + 1)
             return
         self.succeeding = True
         self.gen += 1  # past any generation the dead one may have announced without saving it
@@ -154,18 +154,11 @@ class SuccessionMixin:
                 w.joined = False
             self.phase = "joining"
             self.join_deadline = now + JOIN_TIMEOUT_S
-            self._end_with_next_generation()
+            self.book.end_with_generation(self.gen + 1)
             return
         self.phase = "aborting"
         self.pending_acks = {m for m in self.members if self.workers[m].alive}
-        self.abort_deadline = now + max(2.0, 2 * self.policy.detect_timeout_s * self.scale) + snapshot.REJOIN_GRACE_S
-
-    def _end_with_next_generation(self) -> None:
-        """Episodes under recovery end at the first commit of the next generation (as
-        _next_generation has them end after an abort)."""
-        for e in self.book:
-            if e.recovering and e.end_gen is None:
-                e.end_gen = self.gen + 1
+        self.abort_deadline = now + self._abort_wait_s() + snapshot.REJOIN_GRACE_S
 
     def on_rejoin(self, chan: Any, msg: dict[str, Any]) -> str | None:
         """A worker of the dead coordinator's; its node, or None if not taken back (one this

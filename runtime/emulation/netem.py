@@ -31,11 +31,10 @@ import math
 from typing import Sequence
 
 from keel import hardware
-from keel.scenario import Scenario
+from keel.scenario import Scenario, region_of
 
 
-def _region(node: str) -> str:
-    return node.rsplit("/", 1)[0]
+_region = region_of
 
 
 def gauss(seed: int, key: str) -> float:

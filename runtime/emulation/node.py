@@ -23,7 +23,7 @@ import threading
 import time
 
 from keel import hardware
-from keel.scenario import Scenario, compute_factor
+from keel.scenario import Scenario, compute_factor, region_of
 
 from runtime.emulation.netem import CollectivePricer, LinkEmulator
 
@@ -38,7 +38,7 @@ class NodeEmulation:
         self.node = node
         self.anchor = anchor
         self.scale = scale
-        self.speed = scenario.region(node.rsplit("/", 1)[0]).speed
+        self.speed = scenario.region(region_of(node)).speed
         self.links = LinkEmulator(scenario)
         self.c = self.now()
         self.pricer: CollectivePricer | None = None
