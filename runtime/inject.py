@@ -1,4 +1,6 @@
-"""Fault injection, each fault real:
+"""Fault injection, each fault real: the plan (`planned_faults`, modes from the registry,
+keel/fault_classes.py), the worker's side (`CommGate`, the poison schedule) and what each
+class does; the coordinator's side of each is runtime/coordinator/injections/<class>.py.
 
 - `hardware_fault`: SIGKILL of the target worker process (the coordinator signals the pid
   it spawned; a worker it did not spawn is told to SIGKILL itself).
