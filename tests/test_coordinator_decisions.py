@@ -155,3 +155,15 @@ def test_a_spike_that_made_no_straggler_ends_with_the_spike():
     loud.until = 30.0
     loud.detect(12.0)  # a straggler: its episode ends by the straggler rule, not the clock
     assert not loud.due(1, 5, now=40.0)
+
+
+def test_the_straggler_watch_survives_a_snapshot_by_name():
+    """A successor's watch (snapshot.py) is the dead coordinator's, field by field."""
+    import json
+    watch = StragglerWatch(1.5, 3)
+    for _ in range(2):
+        watch.judge({"a": {"ready_s": 0.1, "slots": 1}, "b": {"ready_s": 0.1, "slots": 1},
+                     "c": {"ready_s": 0.5, "slots": 1}}, True)
+    watch.probe("c", 0.0)
+    back = StragglerWatch.restored(1.5, 3, json.loads(json.dumps(watch.state())))
+    assert back == watch and back.slow["c"] == 2 and back.ok_probes["c"] == 1

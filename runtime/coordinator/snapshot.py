@@ -48,7 +48,7 @@ def snapshot(c: Any) -> dict[str, Any]:
         "to_park": c.to_park, "to_unpark": c.to_unpark, "checkpoints": c.checkpoints,
         "pid_history": c.pid_history, "intervals": c.intervals[-KEEP_INTERVALS:],
         "gen_t": {str(g): t for g, t in c.gen_t.items() if g >= c.gen - 1}, "emu_stats": c.emu_stats,
-        "watch": {"median_per_slot": w.median_per_slot, "per_slot": w.per_slot, "slow": w.slow, "ok_probes": w.ok_probes},
+        "watch": w.state(),
         "episodes": [{**dataclasses.asdict(ep), "stage": int(ep.stage)} for ep in c.book],
         "killed": c.book.killed,
         "workers": {n: {k: getattr(x, k) for k in _WORKER_FIELDS} for n, x in c.workers.items()},
@@ -111,8 +111,7 @@ def restore(c: Any, state: dict[str, Any]) -> None:
     c.gen_t = {int(g): t for g, t in state["gen_t"].items()}
     c.emu_stats = dict(state["emu_stats"])
     w = state["watch"]
-    c.watch = StragglerWatch(c.policy.straggler_factor, c.policy.straggler_window, w["median_per_slot"],
-                             dict(w["per_slot"]), dict(w["slow"]), dict(w["ok_probes"]))
+    c.watch = StragglerWatch.restored(c.policy.straggler_factor, c.policy.straggler_window, w)
     for d in state["episodes"]:
         ep = Episode(**{**d, "stage": Stage(d["stage"])})
         c.book.episodes[ep.fault_id] = ep

@@ -28,6 +28,16 @@ class StragglerWatch:
     slow: dict[str, int] = field(default_factory=dict)         # slow steps in a row
     ok_probes: dict[str, int] = field(default_factory=dict)    # good probes in a row, while parked
 
+    def state(self) -> dict:
+        """What it measured, as JSON (snapshot.py); `restored` reads it back."""
+        return {"median_per_slot": self.median_per_slot, "per_slot": dict(self.per_slot),
+                "slow": dict(self.slow), "ok_probes": dict(self.ok_probes)}
+
+    @classmethod
+    def restored(cls, factor: float, window: int, state: dict) -> StragglerWatch:
+        return cls(factor, window, median_per_slot=state["median_per_slot"], per_slot=dict(state["per_slot"]),
+                   slow=dict(state["slow"]), ok_probes=dict(state["ok_probes"]))
+
     def new_generation(self, members: list[str]) -> None:
         for m in members:
             self.slow[m] = 0
