@@ -173,7 +173,7 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
                     continue
                 print(f"worker {self.node}: no coordinator took this worker back within "
                       f"{self.chan.silence_s:g} s; exiting (code {EXIT_COORDINATOR_LOST}) at step {self.committed}, "
-                      f"{self.committed - self.chan.confirmed} beyond the last the coordinator confirmed",
+                      f"{max(0, self.committed - self.chan.confirmed)} beyond the last the coordinator confirmed",
                       file=sys.stderr, flush=True)
                 os._exit(EXIT_COORDINATOR_LOST)
             kind = msg.get("type")

@@ -170,3 +170,43 @@ def test_a_killed_worker_and_a_cut_off_region_are_absorbed_across_hosts(referenc
     after = [e for e in events if e["kind"] == "reslot" and e["detail"]["fault_id"] > 0]
     assert after and all(not set(e["detail"]["slot_map"]) & {"b/0", "b/1"} for e in after)
     assert [e["step"] for e in events if e["kind"] == "step"] == list(range(1, STEPS + 1))
+
+
+def test_the_coordinator_s_host_cut_off(reference, tmp_path):
+    """The coordinator's host cut off (its bridge port down: both ways, silently) while five
+    workers on five hosts train: the workers still reach one another but commit at most
+    COMMIT_LEAD_STEPS beyond what the coordinator confirmed, then hold, and exit with code 3
+    and one line saying so within silence_s (plus a margin for their last messages). `keel run
+    --resume` on the run directory ends bit-identical to the fault-free run."""
+    from runtime.protocol import COMMIT_LEAD_STEPS, EXIT_COORDINATOR_LOST
+    path = _scenario(tmp_path)
+    with hostbed.HostBed(1 + len(WORKER_HOSTS)) as bed:
+        job = Job(bed, tmp_path, "cut", path)
+        job.torchrun(["a/0", "a/1", "b/0", "b/1"])
+        job.keel_run(path, ["c/0"])
+        _wait("checkpoint 20", lambda: any(e["kind"] == "checkpoint_end" and e["detail"].get("ckpt_step") == 20
+                                           for e in _events(job.out)), procs=[job.coord])
+        bed.cut(0)
+        t_cut = time.monotonic()
+        codes = {}
+        for node, proc in job.workers.items():
+            codes[node] = proc.wait(timeout=SILENCE_S + 60)
+        exit_s = time.monotonic() - t_cut
+        logs = {n: job.log(n).read_text() for n in job.workers}
+        taken = _committed(job.out)
+        bed.heal()
+    print(f"coordinator's host cut off at step {taken}: every worker gone {exit_s:.2f} s after the cut")
+    assert codes["c/0"] == EXIT_COORDINATOR_LOST, logs["c/0"][-2000:]
+    assert all(c != 0 for c in codes.values())
+    for node, log in logs.items():
+        line = re.search(rf"worker {node}: no coordinator took this worker back within {SILENCE_S:g} s; "
+                         rf"exiting \(code 3\) at step (\d+), (\d+) beyond the last the coordinator confirmed", log)
+        assert line, log[-2000:]
+        assert int(line.group(1)) - taken <= COMMIT_LEAD_STEPS + 1 and int(line.group(2)) <= COMMIT_LEAD_STEPS
+    assert exit_s < SILENCE_S + 15, f"workers outlived their coordinator's silence by {exit_s - SILENCE_S:.1f} s"
+    resumed = subprocess.run([PY, "-m", "keel.cli", "run", str(path), "--resume", str(job.out), "--json"],
+                             capture_output=True, text=True, cwd=str(REPO), env=_env(), timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout)
+    assert summary["final_weights_sha256"] == reference["final_weights_sha256"]
+    assert summary["losses"] == reference["losses"][-len(summary["losses"]):]
