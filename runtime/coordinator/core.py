@@ -365,10 +365,15 @@ def main(argv: list[str] | None = None) -> int:
                         "machine only; another address prints a warning naming what is exposed)")
     p.add_argument("--out", required=True, help="the run directory")
     p.add_argument("--no-faults", action="store_true", help="ignore faults.schedule")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run in DIR from its newest checkpoint (docs/multihost.md)")
     args = p.parse_args(argv)
     try:
         sc = load(args.scenario, args.overrides)
-        sup = Supervisor(sc, args.out, listen=args.listen, spawn=False, options={"no_faults": args.no_faults})
+        if args.resume:
+            from keel.durable import check_resume_dir
+            check_resume_dir(args.resume)
+        sup = Supervisor(sc, args.out, listen=args.listen, spawn=False, options={"no_faults": args.no_faults, "resume": args.resume})
         print(f"coordinator listening on {sup.host}:{sup.port}", file=sys.stderr, flush=True)
         summary = sup.run()
     except InputError as e:
