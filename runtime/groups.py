@@ -10,6 +10,18 @@ import time
 from typing import Any
 
 PG_TIMEOUT = datetime.timedelta(seconds=120)
+WILDCARDS = ("0.0.0.0", "::", "")  # a listening address that names no host to dial
+
+
+def gloo_device(dist, local_address: str):
+    """Where this worker's gloo connections live: the interface GLOO_SOCKET_IFNAME names (as
+    torch's own groups do), else the local address of its connection to the coordinator, the
+    interface that reaches the job's other hosts (off loopback there is no other default:
+    gloo rejects an empty hostname)."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if ifname:
+        return dist.ProcessGroupGloo.create_device(interface=ifname, lazy_init=True)
+    return dist.ProcessGroupGloo.create_device(hostname=local_address, lazy_init=True)
 
 
 class GroupFactory:
@@ -43,7 +55,7 @@ class GroupFactory:
             self.pgs.append(pg)
             return pg
         opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.gloo_host, lazy_init=True)]
+        opts._devices = [gloo_device(dist, self.gloo_host)]
         opts._timeout = PG_TIMEOUT
         pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store_for(g)), rank, world, opts)
         self.pgs.append(pg)

@@ -39,6 +39,19 @@ HELLO_TIMEOUT_S = 10.0   # wall seconds a new connection has to say an authentic
 HELLO_TIMEOUT_ENV = "KEEL_HELLO_TIMEOUT_S"  # overrides it (tests, operators)
 COORDINATOR_SILENCE_S = 30.0  # wall seconds a worker waits on a silent coordinator, then exits
 SILENCE_ENV = "KEEL_COORDINATOR_SILENCE_S"  # overrides it (tests, operators)
+EXIT_COORDINATOR_LOST = 3  # a worker's exit code when its coordinator is gone (silent, closed, or refused it)
+# A worker commits step k only once its coordinator has confirmed step k - COMMIT_LEAD_STEPS (its
+# hb's `committed`); the coordinator confirms at least every CONFIRM_EVERY_STEPS commits. A worker
+# cut off from its coordinator thus commits at most COMMIT_LEAD_STEPS steps the coordinator did
+# not take, and none that a minority formed: generations come from the coordinator alone.
+COMMIT_LEAD_STEPS = 16
+CONFIRM_EVERY_STEPS = 8
+
+
+def heartbeat_period(silence: float) -> float:
+    """How often a coordinator speaks to every worker: at least ten times within `silence`, and
+    at least every second."""
+    return min(1.0, silence / 10)
 
 
 class ProtocolError(Exception):

@@ -30,9 +30,9 @@ import torch
 from keel.scenario import region_of
 
 from runtime.emulation.worker import EmulatedNodeMixin
-from runtime.groups import PG_TIMEOUT, GroupFactory
+from runtime.groups import PG_TIMEOUT, WILDCARDS, GroupFactory
 from runtime.inject import CommGate, kill_self, poisoned_at
-from runtime.protocol import COORDINATOR_SILENCE_S, SECRET_ENV, ProtocolError, env_secret, parse_address
+from runtime.protocol import COORDINATOR_SILENCE_S, EXIT_COORDINATOR_LOST, SECRET_ENV, ProtocolError, env_secret, parse_address
 from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter
 from runtime.worker_checkpoint import CheckpointMixin
 from runtime.worker_link import CoordinatorLink, Refused, RejoinMixin, handshake
@@ -40,6 +40,7 @@ from runtime.worker_state import StateMixin
 
 BOUND_HEADROOM = 256.0  # slot values may exceed the first moment this much and still take one round
 LOSS_BOUND = 2.0 ** 20
+JOIN_WAIT_S = 60.0  # how long a new worker retries a coordinator that refuses connections (not up yet)
 
 
 def _set_pdeathsig() -> None:
@@ -76,8 +77,10 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
         self.quarantine: frozenset[int] = frozenset()
 
         store_host = welcome.get("store_host") or host
+        if store_host in WILDCARDS:  # a coordinator listening on every interface: the address dialled
+            store_host = host
         self.groups = GroupFactory(self.backend, store_host, int(welcome["store_port"]),
-                                   welcome.get("gloo_host") or ("127.0.0.1" if store_host in ("127.0.0.1", "localhost") else ""))
+                                   welcome.get("gloo_host") or self.chan.chan.sock.getsockname()[0])
         self.gate = CommGate(sc.run.seed, self.node, self.scale, sleeps=self.emu is None)
         self.abort_gen = -1
         self.stopping = False
@@ -107,12 +110,19 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
         """Answer the challenge of the coordinator at `address` with the job's secret
         (KEEL_JOB_SECRET, runtime/protocol.py); its welcome names this worker's node and carries
         the resolved scenario. The connection is kept across coordinator restarts (worker_link.py)."""
-        try:
-            chan, welcome = handshake(address, {"node": node, "rank_hint": rank_hint}, timeout=60)
-        except Refused as e:
-            raise SystemExit(f"worker: not admitted by the coordinator at {address}: {e}") from None
-        except (ProtocolError, TimeoutError) as e:
-            raise SystemExit(f"worker: the peer at {address} is not a keel coordinator ({e})") from None
+        deadline = time.monotonic() + JOIN_WAIT_S
+        while True:  # workers may start before their coordinator listens (torchrun, Slurm, by hand)
+            try:
+                chan, welcome = handshake(address, {"node": node, "rank_hint": rank_hint}, timeout=60)
+                break
+            except (ConnectionRefusedError, ConnectionResetError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
+            except Refused as e:
+                raise SystemExit(f"worker: not admitted by the coordinator at {address}: {e}") from None
+            except (ProtocolError, TimeoutError) as e:
+                raise SystemExit(f"worker: the peer at {address} is not a keel coordinator ({e})") from None
         self.chan = CoordinatorLink(address, chan, float(welcome.get("silence_s") or COORDINATOR_SILENCE_S))
         self.node = welcome["node"]
         self.coord_host = parse_address(address)[0]
@@ -164,8 +174,10 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
                 if self._rejoin():
                     continue
                 print(f"worker {self.node}: no coordinator took this worker back within "
-                      f"{self.chan.silence_s:g} s; exiting", file=sys.stderr, flush=True)
-                os._exit(3)
+                      f"{self.chan.silence_s:g} s; exiting (code {EXIT_COORDINATOR_LOST}) at step {self.committed}, "
+                      f"{max(0, self.committed - self.chan.confirmed)} beyond the last the coordinator confirmed",
+                      file=sys.stderr, flush=True)
+                os._exit(EXIT_COORDINATOR_LOST)
             kind = msg.get("type")
             if kind == "hb":
                 continue
@@ -258,6 +270,7 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
                 self._transfer_state(g, rank, int(msg["source"]), list(msg["behind"]), should_abort,
                                      loaded=bool(msg.get("load")))
             self.committed = int(msg["start_step"])
+            self.chan.confirm(self.committed)
             t_state = time.perf_counter() - t1 if self.emu is None else self.emu.c - c1
             self.chan.send({"type": "ready", "gen": g, "pg_s": t_pg, "state_s": t_state})
             self.rank = rank
@@ -328,6 +341,8 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
                             for sh, wi in zip(b.shards, b.w.tolist()) if not math.isfinite(wi)}
                 self._nonfinite(g, step, sorted(suspects), should_abort)
                 continue  # redo the step with the new quarantine set
+            if not self.chan.may_commit(step + 1):
+                self._hold_commit(step + 1, should_abort)
             for p, grad in zip(self.params, mean.to(self.device).split(self.layout.sizes)):
                 p.grad = grad.view_as(p)  # views of the fresh mean: nothing else holds it
             self.optimizer.step()

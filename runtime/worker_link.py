@@ -20,7 +20,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from runtime.protocol import COORDINATOR_SILENCE_S, Channel, ProtocolError, env_secret, hello_mac, parse_address
+from runtime.protocol import (COMMIT_LEAD_STEPS, COORDINATOR_SILENCE_S, Channel, ProtocolError, env_secret,
+                              hello_mac, parse_address)
 
 RETRY_S = 0.05  # between attempts to reach a successor
 
@@ -65,6 +66,7 @@ class CoordinatorLink:
         self.last_heard = time.monotonic()
         self.pending: list[dict[str, Any]] = []
         self.reports: dict[int, dict[str, Any]] = {}  # step -> report, not yet known to be committed
+        self.confirmed = 0  # the newest step a coordinator said it committed (or a generation starts at)
         self._lock = threading.Lock()
 
     def send(self, msg: dict[str, Any]) -> bool:
@@ -91,10 +93,19 @@ class CoordinatorLink:
             return None
         self.last_heard = time.monotonic()
         if msg.get("type") == "hb" and isinstance(msg.get("committed"), int):
+            self.confirm(msg["committed"])
             with self._lock:
                 for k in [k for k in self.reports if k <= msg["committed"]]:
                     del self.reports[k]
         return msg
+
+    def confirm(self, step: int) -> None:
+        self.confirmed = max(self.confirmed, step)
+
+    def may_commit(self, step: int) -> bool:
+        """Whether this worker may commit `step`: its coordinator has confirmed a step at most
+        COMMIT_LEAD_STEPS before it (runtime/protocol.py)."""
+        return step <= self.confirmed + COMMIT_LEAD_STEPS
 
     def rejoin(self, hello: Callable[[], dict[str, Any]], stopping: Callable[[], bool]) -> dict[str, Any] | None:
         """Reach a successor at the same address before `silence_s` since the last message
@@ -117,6 +128,7 @@ class CoordinatorLink:
                 old, self.chan = self.chan, chan
                 old.close()
                 committed = int(welcome.get("committed", 0))
+                self.confirm(committed)
                 for k in sorted(self.reports):
                     if k > committed:
                         chan.send({**self.reports[k], "resent": True})
@@ -139,6 +151,23 @@ class RejoinMixin:
         self.abort_gen = max(self.abort_gen, gen)
         self.abort_event.set()
         self.waiter.interrupt()
+
+    def _hold_commit(self, step: int, should_abort: Callable[[], bool]) -> None:
+        """Commit `step` only once the coordinator has confirmed enough (CoordinatorLink.may_commit):
+        wait for its word, or for the generation's abort. A coordinator that stays silent ends
+        this process from the reader thread after `silence_s`, the step uncommitted."""
+        from runtime.reduction import Aborted
+        t0 = time.monotonic()
+        said = False
+        while not self.chan.may_commit(step):
+            if should_abort():
+                raise Aborted()
+            if not said and time.monotonic() - t0 > 1.0:
+                said = True
+                print(f"worker {self.node}: holding step {step} uncommitted: the coordinator confirmed step "
+                      f"{self.chan.confirmed}, its last word {time.monotonic() - self.chan.last_heard:.1f} s ago",
+                      file=sys.stderr, flush=True)
+            self.abort_event.wait(0.002)
 
     def _rejoin(self) -> bool:
         """Rejoin a successor coordinator (module docstring). What the dead one sent and this

@@ -32,7 +32,8 @@ from runtime.coordinator.stall import stall_report
 from runtime.coordinator.stragglers import StragglerWatch
 from runtime.coordinator.succession import SuccessionMixin
 from runtime.inject import planned_faults, poison_schedule
-from runtime.protocol import Channel, ProtocolError, check_worker_message, env_secret, silence_s
+from runtime.protocol import (CONFIRM_EVERY_STEPS, Channel, ProtocolError, check_worker_message, env_secret,
+                              heartbeat_period, silence_s)
 
 STALL_MIN_S = 60.0
 
@@ -98,7 +99,7 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
         self.sel = selectors.DefaultSelector()
         self.strangers: dict[Channel, tuple[str, float]] = {}  # not yet admitted: (nonce, deadline)
         self.silence_s = silence_s()
-        self.hb_period, self.hb_sent = min(1.0, self.silence_s / 10), 0.0
+        self.hb_period, self.hb_sent, self.hb_committed = heartbeat_period(self.silence_s), 0.0, 0
         self.host = host
         self._adopt(endpoints)
         self.sel.register(self.listener, selectors.EVENT_READ, None)
@@ -209,8 +210,8 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
         now = time.monotonic()
         self._drop_strangers(now)
         self.link_beat()
-        if now - self.hb_sent > self.hb_period:  # workers give a silent coordinator up (protocol.py)
-            self.hb_sent = now
+        if now - self.hb_sent > self.hb_period or self.committed - self.hb_committed >= CONFIRM_EVERY_STEPS:
+            self.hb_sent, self.hb_committed = now, self.committed  # silence and commit lead (protocol.py)
             for w in self.workers.values():
                 if w.chan is not None:
                     w.chan.send({"type": "hb", "committed": self.committed})
@@ -364,10 +365,15 @@ def main(argv: list[str] | None = None) -> int:
                         "machine only; another address prints a warning naming what is exposed)")
     p.add_argument("--out", required=True, help="the run directory")
     p.add_argument("--no-faults", action="store_true", help="ignore faults.schedule")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run in DIR from its newest checkpoint (docs/multihost.md)")
     args = p.parse_args(argv)
     try:
         sc = load(args.scenario, args.overrides)
-        sup = Supervisor(sc, args.out, listen=args.listen, spawn=False, options={"no_faults": args.no_faults})
+        if args.resume:
+            from keel.durable import check_resume_dir
+            check_resume_dir(args.resume)
+        sup = Supervisor(sc, args.out, listen=args.listen, spawn=False, options={"no_faults": args.no_faults, "resume": args.resume})
         print(f"coordinator listening on {sup.host}:{sup.port}", file=sys.stderr, flush=True)
         summary = sup.run()
     except InputError as e:
