@@ -87,8 +87,12 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
     options = {"resume": str(resume) if resume is not None else None, "allow_config_change": allow_config_change,
                "progress": progress, "hangs": hangs, "device": device or os.environ.get("KEEL_DEVICE", "cpu"),
                "backend": backend or os.environ.get("KEEL_BACKEND", "gloo")}
-    summary = Supervisor(scenario, out, listen=listen, spawn=spawn, options=options).run()
-    write_summary(out, summary)
+    supervisor = Supervisor(scenario, out, listen=listen, spawn=spawn, options=options)  # locks `out`
+    try:
+        summary = supervisor.run()
+        write_summary(out, summary)
+    finally:
+        supervisor.close()
     return summary
 
 

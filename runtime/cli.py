@@ -15,6 +15,30 @@ from pathlib import Path
 from keel.rundir import print_json
 
 
+def resume_note(out: Path, argv: list[str]) -> str:
+    """What a stopped run leaves: its newest complete checkpoint and the command that resumes
+    from it (this command line, `argv`, resuming from `out`)."""
+    import shlex
+    from runtime.checkpoint_read import find_latest
+    latest = None
+    for candidate in (out / "checkpoints", out):
+        latest = find_latest(candidate, refused=[])
+        if latest is not None:
+            break
+    if latest is None:
+        return f"no checkpoint was completed in {out}; nothing to resume from"
+    argv, skip = [], False
+    for a in argv:  # this command line without its --out/--resume
+        if skip:
+            skip = False
+        elif a in ("--out", "--resume"):
+            skip = True
+        elif not a.startswith(("--out=", "--resume=")):
+            argv.append(a)
+    command = shlex.join(["keel", *argv, "--resume", str(out)])
+    return f"the last complete checkpoint is {latest}; resume with: {command}"
+
+
 def run(args: argparse.Namespace) -> int:
     if args.coordinator:
         from runtime.worker import main as worker_main
@@ -41,8 +65,12 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.resume)
     else:
         out = Path("runs") / scenario.run.name / time.strftime("%Y%m%d-%H%M%S")
-    summary = run_scenario(scenario, out, steps=args.steps, resume=args.resume, no_faults=args.no_faults,
-                           allow_config_change=args.allow_config_change, progress=True)
+    try:
+        summary = run_scenario(scenario, out, steps=args.steps, resume=args.resume, no_faults=args.no_faults,
+                               allow_config_change=args.allow_config_change, progress=True)
+    except KeyboardInterrupt as e:  # every process of the job has exited (the supervisor's finally)
+        e.note = resume_note(out, getattr(args, "argv", sys.argv[1:]))
+        raise
     for c in summary.get("checkpoints", []):  # a full disk does not stop the run, but it is said
         if c.get("error"):
             print(f"keel: warning: the checkpoint of step {c['step']} was not written ({c['error']}); "

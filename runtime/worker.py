@@ -406,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps every thread's stack to the log
     if args.die_with_parent:
         _set_pdeathsig()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # its supervisor answers Ctrl-C and stops it
     rank_hint = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
     if env_secret() is None:
         print(f"keel: {SECRET_ENV}: not set; the coordinator at {args.coordinator} admits only workers that "
