@@ -38,6 +38,8 @@ def validate(args: Any) -> int:
     from planner import validate as V
     scenario = args.loaded
     out = Path(args.out or f"runs/validate-{scenario.run.name}")
+    from runtime.capacity import check_machine
+    check_machine(V.emulated(scenario), "keel validate")  # an unfaithful emulation is refused before any repetition
     comparison = V.validate(scenario, out_dir=out, calibration=args.calibration, progress=True)
     if args.json:
         print_json(comparison)

@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
                          "(add --emulate, or set emulation.enabled = true)")
     from runtime.api import check_runnable
     check_runnable(scenario, args.steps)  # before anything is written or started
+    from runtime.capacity import check_machine
+    check_machine(scenario)  # the processes, their memory, and an emulation's time scale: before any start
     if args.out:
         out = Path(args.out)
     elif args.resume:
@@ -96,4 +98,10 @@ def run(args: argparse.Namespace) -> int:
                   f"worst {emu['worst_late_s']:.3f} s), {emu['compute_overruns']} compute overruns; "
                   f"first steps (warm-up, not counted) up to {emu['warmup_late_s']:.3f} s late"
                   f"{'' if emu['faithful'] else ': NOT a faithful emulation'}")
+    emu = summary.get("emulation")
+    if emu and not emu.get("faithful", True):  # its times are the machine's, not the cluster's: not a result
+        print(f"keel: run failed: the emulation was not faithful ({emu['overruns']} of {emu['reports']} step reports "
+              f"late, limit {emu['max_overrun_fraction']:.0%}); its times are not the emulated cluster's "
+              f"(a larger emulation.time_scale keeps them)", file=sys.stderr)
+        return 1
     return 0
