@@ -51,7 +51,7 @@ def check_machine(scenario: Scenario, what: str = "keel run") -> None:
     machine = capacity.this_machine()
     why = capacity.processes_fit(scenario.total_nodes, machine)
     if why is not None:
-        raise InputError(f"{scenario.source}: {why} (refused before {what} starts anything)")
+        raise InputError(f"{scenario.source}: {why}; refused before {what} starts anything")
     if not scenario.emulation.enabled:
         return
     m = scenario.model
