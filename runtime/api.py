@@ -76,6 +76,9 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
     check_runnable(scenario, steps)
     if resume is not None:  # bad directories are refused before anything is written, imported or started
         check_resume_dir(resume)
+        if allow_config_change:  # a changed model shape: found here, not once every worker has started
+            from runtime.resume_check import check_resume_shapes
+            check_resume_shapes(scenario, resume)
     check_writable_dir(out_dir)
     from keel.rundir import write_summary
     from runtime.supervisor import Supervisor

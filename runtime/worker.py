@@ -49,6 +49,15 @@ def _set_pdeathsig() -> None:
         pass
 
 
+def error_text(e: BaseException, lines: int = 4) -> str:
+    """What a worker's failure tells the user: the exception's type and the first lines of its
+    message (a traceback's tail starts mid-sentence), and where it was raised."""
+    text = "\n".join(str(e).strip().splitlines()[:lines])[:800]
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}; the traceback is in the worker's log)" if tb else ""
+    return f"{type(e).__name__}: {text}{where}"
+
+
 def _pick_device(device: str, backend: str, local_index: int) -> str:
     """The worker's device: "cuda" without an index puts the node on one of this machine's
     GPUs by its index among them (torchrun's LOCAL_RANK where set; with gloo several workers
@@ -419,9 +428,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         worker.serve()
-    except Exception:
-        traceback.print_exc()
-        worker.chan.send({"type": "error", "message": traceback.format_exc()[-2000:]})
+    except Exception as e:
+        traceback.print_exc()  # the whole of it goes to the worker's log
+        worker.chan.send({"type": "error", "message": error_text(e)})
         sys.stderr.flush()
         os._exit(1)
     return 0

@@ -123,3 +123,39 @@ def test_sighup_and_a_ctrl_c_to_the_group_stop_the_job_cleanly(tmp_path, sig, gr
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_changed_model_shape_is_refused_before_the_job_starts(tmp_path):
+    """--allow-config-change resumes a changed configuration; a model of another shape is
+    found from the checkpoint's tensor shapes before anything starts, and named."""
+    from keel.scenario import load
+    from runtime.checkpoint import capture_rng, save_checkpoint
+    from runtime.model import build_model, build_optimizer
+    from runtime.resume_check import first_mismatch
+    sc_path = write_scenario(tmp_path, steps=20, interval=5)
+    sc = load(sc_path)
+    model = build_model(sc.model, 0)
+    save_checkpoint(tmp_path / "done" / "checkpoints", step=5, model=model, optimizer=build_optimizer(model, sc.model),
+                    rng=capture_rng(), data_state={"format": "keel-loader", "step": 5, "seed": 5, "version": "v" * 64,
+                                                   "quarantine": []},
+                    config_hash=sc.config_hash(), config=sc.to_dict(), topology={"generation": 0})
+    p = subprocess.run(keel("run", str(sc_path), "--out", str(tmp_path / "again"), "--resume", str(tmp_path / "done"),
+                            "--allow-config-change", "--set", "model.d_model=48"),
+                       capture_output=True, text=True, cwd=str(REPO), timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "step-00000005 does not fit the scenario's model (tensor " in p.stderr and "[256, 32]" in p.stderr
+    assert not (tmp_path / "again" / "logs").exists()  # no worker started
+    assert first_mismatch({"a": [2], "b": [3]}, {"a": [2], "b": [3]}) is None
+    assert first_mismatch({"a": [2]}, {"a": [2], "b": [3]}) == "tensor b [3]: not in the checkpoint"
+    assert first_mismatch({"a": [2], "c": [1]}, {"a": [2]}).startswith("tensor c [1]: in the checkpoint")
+
+
+def test_a_worker_error_says_its_type_and_first_lines():
+    from runtime.worker import error_text
+    try:
+        raise RuntimeError("Error(s) in loading state_dict for GPT:\n\tsize mismatch for a\n\tb\n\tc\n\td\n\te")
+    except RuntimeError as e:
+        text = error_text(e)
+    assert text.startswith("RuntimeError: Error(s) in loading state_dict for GPT:\n\tsize mismatch for a")
+    assert "\te" not in text and "test_hardening_run.py:" in text
