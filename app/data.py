@@ -276,7 +276,7 @@ def policy_of(entry: dict[str, Any]) -> dict[str, Any]:
     `recommended` / `baseline` carry flat beside their figures."""
     if isinstance(entry.get("policy"), dict):
         return dict(entry["policy"])
-    return {k: v for k, v in entry.items() if "." in k and not isinstance(v, (dict, list))}
+    return {k: v for k, v in entry.items() if "." in k and v is not None and not isinstance(v, (dict, list))}
 
 
 def policy_text(policy: dict[str, Any]) -> str:

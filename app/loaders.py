@@ -49,59 +49,87 @@ def read_json(path: str | Path) -> Any:
         raise InputError(f"{path}: nested too deeply to be a file keel wrote") from None
 
 
-# ----------------------------------------------------------------------------- summary.json
+# ----------------------------------------------------------------------------- shapes
+# What the dashboard and the report read of each JSON file, and its type. A key may be absent
+# or null unless its name starts with "!"; a nested object may not be null unless it ends with
+# "?"; ("list", item, n) is a list of at least n items (of which null ones are skipped where a
+# fourth element says why). Keys not named are not read.
 
-def _number(v: Any) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+NUM, INT, STR, BOOL, SCALAR = "number", "integer", "string", "true or false", "a scalar"
+_ID = (INT, STR)
+
+FAULT = {"!fault_id": _ID, "class": STR, "target": STR, "action": STR, "at_step": INT, "t": NUM,
+         "!downtime_s": NUM, "cost_s": NUM, "lost_steps": INT}
+SUMMARY = {"wall_s": NUM, "step_time_s": NUM, "goodput": NUM, "steps": INT, "restarts": INT, "scenario": STR,
+           "tool": STR, "faults": ("list", FAULT, 0), "losses": ("list", NUM, 0), "goodput_ci95": ("list", NUM, 2),
+           "emulation?": {"reports": INT, "overruns": INT, "overrun_fraction": NUM, "max_overrun_fraction": NUM,
+                          "faithful": BOOL, "time_scale": NUM}}
+COMPARISON = {
+    "scenario": STR, "repetitions": INT, "config_hash": STR, "calibration": STR, "downtime_median_rel_err": NUM,
+    "!tolerances": {"downtime_rel_tol": NUM, "fault_rel_tol": NUM, "wall_rel_tol": NUM},
+    "emulation": ("list", {"reports": INT, "overruns": INT, "max_overrun_fraction": NUM, "faithful": BOOL}, 0,
+                  "null: a repetition not emulated"),
+    "!faults": ("list", {"fault_id": _ID, "class": STR, "target": STR, "downtime_rel_err": NUM,
+                         "predicted": {"downtime_s": NUM, "downtime_ci95": ("list", NUM, 2)},
+                         "observed": {"downtime_s": NUM, "downtime_s_reps": ("list", NUM, 0, "null: not seen in a repetition")}}, 0),
+    "wall_s?": {"predicted": NUM, "observed": NUM, "rel_err": NUM, "launch_s_reps": ("list", NUM, 0, "null: not measured")},
+    "goodput?": {"predicted": NUM, "observed": NUM, "rel_err": NUM},
+    "pass": {"downtime": BOOL, "each_fault": BOOL, "wall": BOOL, "valid": BOOL, "all": BOOL}}
+_CHOSEN = {"number": INT, "goodput": NUM, "cost_node_hours_per_step": NUM}
+PLAN = {"scenario": STR, "rule": STR, "replicas": INT, "recommended?": _CHOSEN, "baseline?": _CHOSEN,
+        "!trials": ("list", {"number": INT, "!goodput": NUM, "goodput_ci95": ("list", NUM, 2),
+                             "!cost_node_hours_per_step": NUM, "source": STR, "policy": {"*": SCALAR}}, 0),
+        "pareto": ("list", {"number": INT}, 0), "improvement?": {"cost_ratio": NUM},
+        "interval_refinement?": {"fitted": INT}}
 
 
-def _count(v: Any) -> bool:
-    return v is None or (isinstance(v, int) and not isinstance(v, bool))
+def _is(value: Any, kind: str) -> bool:
+    if kind == BOOL:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return kind == SCALAR
+    return {NUM: isinstance(value, (int, float)), INT: isinstance(value, int), STR: isinstance(value, str),
+            SCALAR: isinstance(value, (int, float, str))}[kind]
 
 
-_SUMMARY_NUMBERS = ("wall_s", "step_time_s", "goodput")
-_SUMMARY_COUNTS = ("steps", "restarts")
-_FAULT_NUMBERS = ("t", "downtime_s", "cost_s")
-_FAULT_COUNTS = ("at_step", "lost_steps")
-_FAULT_TEXTS = ("class", "target", "action")
+def conform(value: Any, shape: Any, where: str, key: str = "") -> None:
+    """InputError naming `where` and the dotted key whose value does not have the shape."""
+    def bad(expected: str) -> InputError:
+        return InputError(f"{where}: {f'key {key!r}: ' if key else ''}expected {expected}, "
+                          f"got {json.dumps(value)[:60]}")
+    if isinstance(shape, dict):
+        if not isinstance(value, dict):
+            raise bad("an object")
+        for name, sub in shape.items():
+            required, nullable = name.startswith("!"), name.endswith("?")
+            name = name.strip("!?")
+            items = value.items() if name == "*" else [(name, value.get(name))]
+            for k, v in items:
+                if v is None and name != "*":  # a value under "*" is never null
+                    if required:
+                        raise InputError(f"{where}: missing key '{f'{key}.' if key else ''}{k}'")
+                    if k in value and isinstance(sub, (dict, tuple)) and not nullable:
+                        conform(v, sub, where, f"{key}.{k}" if key else k)
+                    continue
+                conform(v, sub, where, f"{key}.{k}" if key else k)
+    elif isinstance(shape, tuple) and shape[0] == "list":
+        _, item, least, *nulls = shape
+        if not isinstance(value, list) or len(value) < least:
+            raise bad(f"a list{f' of at least {least}' if least else ''}")
+        for n, v in enumerate(value):
+            if v is None and nulls:
+                continue
+            conform(v, item, where, f"{key}.{n}")
+    elif isinstance(shape, tuple):
+        if not any(_is(value, k) for k in shape):
+            raise bad(" or ".join(f"a {k}" for k in shape))
+    elif not _is(value, shape):
+        raise bad(shape if shape in (BOOL, SCALAR) else f"a {shape}")
 
 
 def check_summary(summary: Any, where: str) -> dict[str, Any]:
-    """`summary` if every key the dashboard and the report read has its documented type;
-    an InputError naming the key otherwise."""
-    if not isinstance(summary, dict):
-        raise InputError(f"{where}: expected a JSON object, got {type(summary).__name__}")
-
-    def bad(key: str, expected: str, got: Any) -> InputError:
-        return InputError(f"{where}: key '{key}': expected {expected}, got {json.dumps(got)[:60]}")
-    for key in _SUMMARY_NUMBERS:
-        if not _number(summary.get(key)):
-            raise bad(key, "a number", summary[key])
-    for key in _SUMMARY_COUNTS:
-        if not _count(summary.get(key)):
-            raise bad(key, "an integer", summary[key])
-    for key in ("scenario", "tool"):
-        if summary.get(key) is not None and not isinstance(summary[key], str):
-            raise bad(key, "a string", summary[key])
-    faults = summary.get("faults", [])
-    if not isinstance(faults, list):
-        raise bad("faults", "a list of fault objects", faults)
-    for i, f in enumerate(faults):
-        if not isinstance(f, dict):
-            raise bad(f"faults.{i}", "a fault object", f)
-        for key, ok, what in ([(k, _number, "a number") for k in _FAULT_NUMBERS]
-                              + [(k, _count, "an integer") for k in _FAULT_COUNTS]
-                              + [(k, lambda v: v is None or isinstance(v, str), "a string") for k in _FAULT_TEXTS]):
-            if not ok(f.get(key)):
-                raise bad(f"faults.{i}.{key}", what, f[key])
-        if not isinstance(f.get("fault_id"), (int, str, type(None))) or isinstance(f.get("fault_id"), bool):
-            raise bad(f"faults.{i}.fault_id", "an integer", f["fault_id"])
-    losses = summary.get("losses", [])
-    if not isinstance(losses, list) or not all(_number(x) for x in losses):
-        raise bad("losses", "a list of numbers", losses)
-    for key in ("emulation", "pass"):
-        if summary.get(key) is not None and not isinstance(summary[key], dict):
-            raise bad(key, "an object", summary[key])
+    """`summary` if every key the dashboard and the report read has its documented type."""
+    conform(summary, SUMMARY, where)
     return summary
 
 
@@ -208,17 +236,9 @@ def load_run(path: str | Path) -> tuple[list[Event], dict[str, Any]]:
 
 
 def load_comparison(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    comparison = read_json(path / "comparison.json")
-    if not isinstance(comparison, dict):
-        raise InputError(f"{path / 'comparison.json'}: expected a JSON object")
-    for key, kind in (("faults", list), ("tolerances", dict)):
-        if key not in comparison:
-            raise InputError(f"{path / 'comparison.json'}: missing key '{key}'")
-        if not isinstance(comparison[key], kind):
-            raise InputError(f"{path / 'comparison.json'}: key '{key}': expected a {kind.__name__}")
-    if not all(isinstance(f, dict) for f in comparison["faults"]):
-        raise InputError(f"{path / 'comparison.json'}: key 'faults': expected a list of objects")
+    file = Path(path) / "comparison.json"
+    comparison = read_json(file)
+    conform(comparison, COMPARISON, str(file))
     return comparison
 
 
@@ -226,8 +246,9 @@ def load_plan(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     file = path / "plan.json" if path.is_dir() else path
     plan = read_json(file)
-    if not isinstance(plan, dict) or not isinstance(plan.get("trials"), list):
+    if not isinstance(plan, dict) or "trials" not in plan:
         raise InputError(f"{file}: expected a plan.json with 'trials', 'pareto', 'recommended' and 'baseline'")
+    conform(plan, PLAN, str(file))
     return plan
 
 

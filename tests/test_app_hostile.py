@@ -58,7 +58,7 @@ def _damage(path: Path, how: str) -> tuple[Path, str]:
     if how == "faults-strings":
         s["faults"] = ["hardware_fault", "network_jitter"]
         summary.write_text(json.dumps(s))
-        return summary, "key 'faults.0': expected a fault object"
+        return summary, "key 'faults.0': expected an object"
     if how == "nan":
         s["wall_s"] = float("nan")
         summary.write_text(json.dumps(s, indent=1))  # json writes NaN; keel never does

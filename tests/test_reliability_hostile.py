@@ -73,3 +73,59 @@ def test_a_long_event_log_opens_bounded_and_reports_bounded(tmp_path, record):
     record(trials=1)
     record.note("long log", f"{size_mb:.0f} MB, {lines:,} lines: opened in {opened['open_s']:.1f} s, peak RSS "
                             f"{opened['peak_rss_mb']:.0f} MB; keel report {report_mb:.1f} MB in {report_s:.1f} s (its whole process)")
+
+
+# ----------------------------------------------------------------------------- every value replaced
+
+def _leaves(obj, path=()):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(obj, list) and obj:
+        yield from _leaves(obj[0], (*path, 0))
+    if path:
+        yield path
+
+
+def _replaced(obj, path, value):
+    out = json.loads(json.dumps(obj))
+    node = out
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    return out
+
+
+VALUES = reliability_count(full=("x", [], {}, None, -1, 1e308, True, [None]), reduced=("x", None))
+
+
+@pytest.mark.parametrize("name", ["comparison.json", "plan.json", "summary.json"])
+def test_any_value_of_the_wrong_type_is_damage_never_a_crash(tmp_path, name, record, monkeypatch):
+    """Each value the file holds (the first item of each list), replaced in turn by values of
+    other types: the report's sections are built or the file is refused as damaged; no other
+    exception escapes."""
+    from app import data, loaders, report
+    from test_app_hostile import _run
+    from test_app_runs import handwritten_plan, handwritten_validation
+    if name == "plan.json":
+        target, build = handwritten_plan(tmp_path), report.plan_sections
+    elif name == "comparison.json":
+        target, build = handwritten_validation(tmp_path), report.validation_sections
+        monkeypatch.setattr(data, "validation_runs", lambda path: {})  # its runs: test_app_hostile.py
+    else:
+        target, build = _run(tmp_path / "run"), report.run_sections
+    original = json.loads((target / name).read_text())
+    tried = refused = 0
+    for path in _leaves(original):
+        for value in VALUES:
+            (target / name).write_text(json.dumps(_replaced(original, path, value)))
+            tried += 1
+            try:
+                build(target)
+            except loaders.InputError as e:
+                refused += 1
+                assert str(target / name) in str(e) and "\n" not in str(e)
+    assert tried > 20 and 0 < refused < tried
+    record(trials=tried, bad_inputs=refused)
+    record.note(name, f"{tried} files, each with one value replaced ({', '.join(map(json.dumps, VALUES))}): "
+                      f"{refused} refused as damaged naming the file and key, {tried - refused} shown")
