@@ -40,7 +40,9 @@ def validate(args: Any) -> int:
     out = Path(args.out or f"runs/validate-{scenario.run.name}")
     from runtime.capacity import check_machine
     check_machine(V.emulated(scenario), "keel validate")  # an unfaithful emulation is refused before any repetition
-    comparison = V.validate(scenario, out_dir=out, calibration=args.calibration, progress=True)
+    from keel.rundir import RunDirLock
+    with RunDirLock(out):  # one validation per directory (each repetition's run locks its own)
+        comparison = V.validate(scenario, out_dir=out, calibration=args.calibration, progress=True)
     if args.json:
         print_json(comparison)
     else:

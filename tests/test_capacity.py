@@ -59,3 +59,22 @@ def test_a_cluster_no_machine_holds_is_refused_before_it_starts(tmp_path):
     err = _refused("run", "scenarios/multiregion-46.toml", "--emulate", "--set", "regions.0.nodes=99000",
                    "--steps", "3", out=tmp_path / "run")
     assert "99032 worker processes, about 3961.9 GB" in err and "nodes fit" in err
+
+
+def test_an_unfaithful_emulated_run_exits_1(monkeypatch, tmp_path, capsys):
+    """Its times are the machine's, not the emulated cluster's: not a result."""
+    import runtime.api
+    import runtime.capacity
+    from keel.cli import main
+    summary = {"scenario": "s", "steps": 3, "wall_s": 1.0, "step_time_s": 0.1, "goodput": 0.3, "restarts": 0,
+               "faults": [], "losses": [2.0], "final_weights_sha256": "0" * 64,
+               "emulation": {"time_scale": 1.0, "overruns": 9, "reports": 10, "overrun_fraction": 0.9,
+                             "max_overrun_fraction": 0.02, "worst_late_s": 0.5, "compute_overruns": 9,
+                             "warmup_late_s": 0.1, "faithful": False}}
+    monkeypatch.setattr(runtime.capacity, "check_machine", lambda sc, what="keel run": None)
+    monkeypatch.setattr(runtime.api, "run_scenario", lambda *a, **k: summary)
+    assert main(["run", "scenarios/local-8.toml", "--emulate", "--out", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert "keel: run failed: the emulation was not faithful (9 of 10 step reports late, limit 2%)" in err
+    summary["emulation"].update(overruns=0, overrun_fraction=0.0, faithful=True)
+    assert main(["run", "scenarios/local-8.toml", "--emulate", "--out", str(tmp_path / "r")]) == 0
