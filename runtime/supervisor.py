@@ -60,7 +60,12 @@ class Supervisor:
         self.out = Path(out_dir)
         self.spawn_local = spawn
         self.options = dict(options or {})
-        self.locks = lock_run_dirs(self.out, self.options.get("resume"))  # first: one run per directory
+        self.secret = env_secret() or (new_secret() if self.spawn_local else None)
+        if self.secret is None:
+            raise InputError("KEEL_JOB_SECRET: not set; a coordinator whose workers start elsewhere needs the "
+                             "job's secret, the same for it and every worker (e.g. export KEEL_JOB_SECRET="
+                             "$(python3 -c 'import secrets; print(secrets.token_hex(32))'))")
+        self.locks = lock_run_dirs(self.out, self.options.get("resume"))  # before anything is written or started
         try:
             self._setup(listen)
         except BaseException:
@@ -68,11 +73,6 @@ class Supervisor:
             raise
 
     def _setup(self, listen: str) -> None:
-        self.secret = env_secret() or (new_secret() if self.spawn_local else None)
-        if self.secret is None:
-            raise InputError("KEEL_JOB_SECRET: not set; a coordinator whose workers start elsewhere needs the "
-                             "job's secret, the same for it and every worker (e.g. export KEEL_JOB_SECRET="
-                             "$(python3 -c 'import secrets; print(secrets.token_hex(32))'))")
         self.coord: subprocess.Popen | None = None
         self.link: Channel | None = None
         self.standby: tuple[subprocess.Popen, Channel] | None = None  # the next coordinator, waiting
