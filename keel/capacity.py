@@ -4,9 +4,10 @@ time. Pure decisions on given figures (`Machine`, a measured slot time), so a te
 same verdict on any machine; `this_machine()` reads the figures of the one it runs on.
 
 A worker's memory is documented, not guessed: WORKER_BYTES is what one emulated worker
-process adds (measured 5 Dec on the 2-core test machine: +17.1 GB for 439 processes of a
-400-node emulation of scenarios/multiregion-46.toml, 39 MB a process; forked workers share
-the fork server's pages, a fresh interpreter costs more and is counted by the margin).
+process added in issue 28's probe (5 Dec, 2-core 24 GB machine: +17.1 GB for the 439 processes
+of a 400-node emulation of scenarios/multiregion-46.toml, 39 MB a process; with 1,000 nodes
+about 18 MB a worker before the machine ran out). Forked workers share the fork server's
+pages, so a worker's resident size (about 270 MB, docs/reliability.md's soak) overstates it.
 """
 from __future__ import annotations
 
