@@ -1,193 +1,32 @@
-"""Loaders and table shaping for the dashboard and the report: plain functions over the files
-the twin, the runtime and the planner write (layouts in docs/design.md), plus thin
-`st.cache_data` wrappers. Nothing here computes a metric: those come from `summary.json`,
-`comparison.json` or `keel.metrics`.
+"""Table shaping and timelines for the dashboard and the report: plain functions over the
+files the twin, the runtime and the planner write (layouts in docs/design.md). Nothing here
+computes a metric: those come from `summary.json`, `comparison.json` or `keel.metrics`.
+Finding runs is app/rundirs.py, reading them (as untrusted input) app/loaders.py, the
+Topology page's edits app/topology_edits.py; their names are importable from here too.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from keel import metrics, rundir
-from keel.errors import InputError
+from app.loaders import (cached_comparison, cached_plan, cached_run, load_comparison, load_plan,  # noqa: F401
+                         load_run, read_json)
+from app.rundirs import (RUN_KINDS, RunDir, checkpoint_runs, dir_kind, jobs_first, list_checkpoints,  # noqa: F401
+                         list_runs, mtime, runs_root, runs_table, validation_runs)
+from app.topology_edits import (add_link, add_region, edit_overrides, remove_link, remove_region,  # noqa: F401
+                                structure_changes)
+from keel import metrics
 from keel.events import Event
-from keel.scenario import Scenario, override_text
+from keel.scenario import override_text
 
-RUN_KINDS = ("validation", "run", "plan")
 # Lanes that are not a node, a region or a shard; they sort first on a timeline.
 RUN_LANE = "run"
 CHECKPOINT_LANE = "checkpoints"
 
 
-# ----------------------------------------------------------------------------- where runs live
-
-def runs_root() -> Path:
-    """The runs directory: `KEEL_RUNS`, else `./runs`."""
-    return Path(os.environ.get("KEEL_RUNS") or "runs")
-
-
-def dir_kind(path: str | Path) -> str | None:
-    """'validation' (comparison.json), 'run' (events.jsonl + summary.json), 'plan'
-    (plan.json), or None for anything else."""
-    p = Path(path)
-    if (p / "comparison.json").is_file():
-        return "validation"
-    if rundir.is_run_dir(p):
-        return "run"
-    if (p / "plan.json").is_file():
-        return "plan"
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class RunDir:
-    path: Path
-    kind: str
-    label: str
-    mtime: float
-    parent: Path | None = None  # the job this directory is part of (a validation's twin/, rep-K/)
-
-    @property
-    def is_job(self) -> bool:
-        return self.parent is None
-
-
-_MARKERS = {"validation": "comparison.json", "run": rundir.SUMMARY, "plan": "plan.json"}
-
-
-def list_runs(root: str | Path, kinds: Sequence[str] = RUN_KINDS, depth: int = 3) -> list[RunDir]:
-    """Run, validation and plan directories under `root`, grouped by job: the jobs (those
-    inside no other) newest first, each followed by its parts, a validation's twin/ and
-    runtime/rep-K/ (in that order) or whatever job lies inside another. `kinds` filters
-    the list, not the grouping."""
-    root = Path(root)
-    groups: list[list[RunDir]] = []
-    if not root.is_dir():
-        return []
-
-    def entry(p: Path, kind: str, parent: Path | None) -> RunDir:
-        label = str(p.relative_to(root)) if p != root else p.name
-        return RunDir(p, kind, label, (p / _MARKERS[kind]).stat().st_mtime, parent)
-
-    def children(p: Path) -> list[Path]:
-        try:
-            return sorted(c for c in p.iterdir() if c.is_dir() and c.name != "checkpoints")
-        except OSError:
-            return []
-
-    def parts(job: Path, p: Path, level: int, out: list[RunDir]) -> None:
-        if level >= depth + 2:
-            return
-        for c in children(p):
-            kind = dir_kind(c)
-            if kind is not None:
-                out.append(entry(c, kind, job))
-            parts(job, c, level + 1, out)
-
-    def walk(p: Path, level: int) -> None:
-        kind = dir_kind(p)
-        if kind is not None:
-            group = [entry(p, kind, None)]
-            if kind == "validation":
-                subs = validation_runs(p)
-                group += [entry(sub, "run", p) for sub in subs.values()]
-                seen = set(subs.values())
-                extra: list[RunDir] = []
-                parts(p, p, level, extra)
-                group += [r for r in extra if r.path not in seen]
-            else:
-                parts(p, p, level, group)
-            groups.append(group)
-            return
-        if level >= depth:
-            return
-        for c in children(p):
-            walk(c, level + 1)
-
-    walk(root, 0)
-    groups.sort(key=lambda g: (-max(r.mtime for r in g), g[0].label))
-    return [r for g in groups for r in g if r.kind in kinds]
-
-
-def jobs_first(runs: Sequence[RunDir]) -> list[RunDir]:
-    """The same list with the jobs before the parts (for a picker's default: the newest job,
-    never a validation's repetition)."""
-    return sorted(runs, key=lambda r: not r.is_job)
-
-
-def runs_table(runs: Sequence[RunDir]) -> list[dict[str, Any]]:
-    """The Runs page's table: one row per directory, a job's parts indented under it."""
-    import datetime as dt
-    labels = {r.path: r.label for r in runs}
-    rows = []
-    for r in runs:
-        part = r.parent is not None
-        name = str(r.path.relative_to(r.parent)) if part else r.label
-        rows.append({"job": ("    ↳ " + name) if part else name, "kind": r.kind,
-                     "part of": labels.get(r.parent, str(r.parent)) if part else "",
-                     "written": dt.datetime.fromtimestamp(r.mtime).strftime("%Y-%m-%d %H:%M:%S"),
-                     "path": str(r.path)})
-    return rows
-
-
-def mtime(path: str | Path) -> float:
-    """Cache key part: a file's modification time (0 when missing), so edits invalidate."""
-    try:
-        return Path(path).stat().st_mtime
-    except OSError:
-        return 0.0
-
-
 # ----------------------------------------------------------------------------- files
-
-def read_json(path: str | Path) -> Any:
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-
-
-def load_run(path: str | Path) -> tuple[list[Event], dict[str, Any]]:
-    """events.jsonl and summary.json of a `keel simulate` / `keel run` directory (a run cut
-    short before its summary was written: the summary computed from its events)."""
-    path = Path(path)
-    if not (path / rundir.EVENTS).is_file():
-        raise InputError(f"{path}: expected a run directory with {rundir.EVENTS} and {rundir.SUMMARY}")
-    events = rundir.read_events(path)
-    summary = rundir.read_summary(path) if (path / rundir.SUMMARY).is_file() else metrics.summarize(events)
-    return events, summary
-
-
-def load_comparison(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    comparison = read_json(path / "comparison.json")
-    for key in ("faults", "tolerances"):
-        if key not in comparison:
-            raise InputError(f"{path / 'comparison.json'}: missing key '{key}'")
-    return comparison
-
-
-def validation_runs(path: str | Path) -> dict[str, Path]:
-    """The twin's and each runtime repetition's run directories of a validation:
-    {'twin': DIR/twin, 'rep-0': DIR/runtime/rep-0, ...} (those present)."""
-    path = Path(path)
-    out: dict[str, Path] = {}
-    if dir_kind(path / "twin") == "run":
-        out["twin"] = path / "twin"
-    reps = sorted((p for p in (path / "runtime").glob("rep-*") if dir_kind(p) == "run"),
-                  key=lambda p: int(p.name[4:]) if p.name[4:].isdigit() else 1 << 30)
-    for p in reps:
-        out[p.name] = p
-    return out
-
 
 def launch_offsets(comparison: dict[str, Any], labels: Sequence[str]) -> dict[str, float]:
     """{'rep-K': the runtime's launch time} from comparison.json (`wall_s.launch_s_reps`,
@@ -199,25 +38,6 @@ def launch_offsets(comparison: dict[str, Any], labels: Sequence[str]) -> dict[st
         if label.startswith("rep-") and k.isdigit() and int(k) < len(reps) and reps[int(k)]:
             out[label] = float(reps[int(k)])
     return out
-
-
-def load_plan(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    file = path / "plan.json" if path.is_dir() else path
-    plan = read_json(file)
-    if not isinstance(plan, dict) or "trials" not in plan:
-        raise InputError(f"{file}: expected a plan.json with 'trials', 'pareto', 'recommended' and 'baseline'")
-    return plan
-
-
-def list_checkpoints(run: str | Path) -> list[Path]:
-    """`DIR/checkpoints/step-NNNNNNNN/` folders (complete or not: the reader judges), oldest
-    first. `run` may also be the checkpoints folder itself."""
-    run = Path(run)
-    folder = run if run.name == "checkpoints" else run / "checkpoints"
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-"))
 
 
 def human_bytes(n: int | None) -> str:
@@ -237,21 +57,19 @@ def checkpoint_rows(infos: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
              "why refused": "; ".join(i.get("problems") or [])} for p, i in infos.items()]
 
 
-def checkpoint_runs(root: str | Path) -> list[RunDir]:
-    """Run directories under `root` that hold a `checkpoints/` folder: the jobs newest
-    first, then the parts of jobs (a validation's repetitions)."""
-    return jobs_first([r for r in list_runs(root, kinds=("run",)) if (r.path / "checkpoints").is_dir()])
-
-
 # ----------------------------------------------------------------------------- tables
 
 MISSING = "\u2013"  # an en dash: what a table shows where a figure does not apply
+NON_FINITE = {"nan": "NaN", "inf": "inf", "-inf": "-inf"}
 
 
 def fmt(x: Any, spec: str = ".4g", minus: float = 0.0, suffix: str = "") -> str:
-    """A figure for a tile or a table cell; MISSING for None or NaN, never 'None'."""
-    if x is None or isinstance(x, bool) or (isinstance(x, float) and not math.isfinite(x)):
+    """A figure for a tile or a table cell; MISSING for None, never 'None'; a number that is
+    not finite as what it is (NaN, inf, -inf)."""
+    if x is None or isinstance(x, bool) or not isinstance(x, (int, float)):
         return MISSING
+    if isinstance(x, float) and not math.isfinite(x):
+        return NON_FINITE.get(str(x), str(x))
     if spec.endswith("d") and not float(x).is_integer():
         spec = ".3g"  # a count averaged over replicas
     elif spec.endswith("d"):
@@ -458,7 +276,7 @@ def policy_of(entry: dict[str, Any]) -> dict[str, Any]:
     `recommended` / `baseline` carry flat beside their figures."""
     if isinstance(entry.get("policy"), dict):
         return dict(entry["policy"])
-    return {k: v for k, v in entry.items() if "." in k and not isinstance(v, (dict, list))}
+    return {k: v for k, v in entry.items() if "." in k and v is not None and not isinstance(v, (dict, list))}
 
 
 def policy_text(policy: dict[str, Any]) -> str:
@@ -470,19 +288,6 @@ def overrides_of(policy: dict[str, Any]) -> list[str]:
     return [override_text(k, v) for k, v in policy.items()]
 
 
-def edit_overrides(base: Scenario, values: dict[str, Any], extra: str = "") -> list[str]:
-    """The Topology page's edits as `--set` overrides: the widget values (dotted key ->
-    value) that differ from the scenario file, then the free-form `key=value` lines."""
-    plain = base.to_dict()
-
-    def in_file(key: str) -> Any:
-        node: Any = plain
-        for part in key.split("."):
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        return node
-    out = [override_text(k, v) for k, v in values.items() if v != in_file(k)]
-    out += [line.strip() for line in extra.splitlines() if line.strip() and not line.strip().startswith("#")]
-    return out
 
 
 # ----------------------------------------------------------------------------- timelines
@@ -581,127 +386,3 @@ def progress(events: Sequence[Event], max_points: int = 400, offset: float = 0.0
         return pts
     stride = -(-len(pts) // max_points)
     return pts[::stride] + ([pts[-1]] if (len(pts) - 1) % stride else [])
-
-
-# ----------------------------------------------------------------------------- cached wrappers
-# Thin: the key is the path and the file's mtime, so a rewritten file is read again.
-
-def _cached(func: Any, max_entries: int) -> Any:
-    import streamlit as st
-    return st.cache_data(max_entries=max_entries, show_spinner=False)(func)
-
-
-def _run_cached(path: str, _mtime: float) -> tuple[list[Event], dict[str, Any]]:
-    return load_run(path)
-
-
-def _comparison_cached(path: str, _mtime: float) -> dict[str, Any]:
-    return load_comparison(path)
-
-
-def _plan_cached(path: str, _mtime: float) -> dict[str, Any]:
-    return load_plan(path)
-
-
-_wrappers: dict[str, Any] = {}
-
-
-def cached_run(path: str | Path) -> tuple[list[Event], dict[str, Any]]:
-    f = _wrappers.setdefault("run", _cached(_run_cached, 16))
-    return f(str(path), mtime(Path(path) / rundir.EVENTS))
-
-
-def cached_comparison(path: str | Path) -> dict[str, Any]:
-    f = _wrappers.setdefault("comparison", _cached(_comparison_cached, 8))
-    return f(str(path), mtime(Path(path) / "comparison.json"))
-
-
-def cached_plan(path: str | Path) -> dict[str, Any]:
-    f = _wrappers.setdefault("plan", _cached(_plan_cached, 8))
-    p = Path(path)
-    return f(str(path), mtime(p / "plan.json" if p.is_dir() else p))
-
-
-# ----------------------------------------------------------------------------- topology edits
-# Adding or removing a region or a link changes the lists the scenario's dotted keys index
-# into, so these edit the resolved scenario (a plain dict, `Scenario.plain()`) and the
-# result is checked by the schema (`keel.scenario.from_dict`) like any file.
-
-def _node_region(target: str | None) -> str | None:
-    return target.split("/", 1)[0] if target and "/" in target and not target.startswith("shard/") else target
-
-
-def remove_region(plain: dict[str, Any], name: str) -> dict[str, Any]:
-    """Without region `name`: its links and the scheduled faults that target it or its nodes go too."""
-    out = json.loads(json.dumps(plain))
-    out["regions"] = [r for r in out["regions"] if r["name"] != name]
-    out["links"] = [link for link in out.get("links", []) if name not in (link["a"], link["b"])]
-    faults = out.get("faults", {})
-    if "schedule" in faults:
-        faults["schedule"] = [e for e in faults["schedule"] if _node_region(e.get("target")) != name]
-    return out
-
-
-def add_region(plain: dict[str, Any], name: str, nodes: int, link_to: str | None,
-               rtt_ms: float, gbit_s: float) -> dict[str, Any]:
-    """With a new region `name` of `nodes` nodes (the other keys as the first region has
-    them), linked to `link_to`. The new region goes before the last one, so the hot spares
-    (the last nodes in scenario order) stay where they were."""
-    out = json.loads(json.dumps(plain))
-    template = {k: v for k, v in out["regions"][0].items() if k not in ("name", "nodes")} if out["regions"] else {}
-    region = {**template, "name": name.strip(), "nodes": int(nodes)}
-    out["regions"].insert(max(0, len(out["regions"]) - 1), region)
-    if link_to:
-        out.setdefault("links", []).append(_link(out, name.strip(), link_to, rtt_ms, gbit_s))
-    return out
-
-
-def _link(plain: dict[str, Any], a: str, b: str, rtt_ms: float, gbit_s: float) -> dict[str, Any]:
-    template = dict(plain["links"][0]) if plain.get("links") else {}
-    return {**template, "a": a, "b": b, "rtt_ms": float(rtt_ms), "gbit_s": float(gbit_s)}
-
-
-def add_link(plain: dict[str, Any], a: str, b: str, rtt_ms: float, gbit_s: float) -> dict[str, Any]:
-    out = json.loads(json.dumps(plain))
-    out.setdefault("links", []).append(_link(out, a, b, rtt_ms, gbit_s))
-    return out
-
-
-def remove_link(plain: dict[str, Any], a: str, b: str) -> dict[str, Any]:
-    out = json.loads(json.dumps(plain))
-    out["links"] = [link for link in out.get("links", []) if {link["a"], link["b"]} != {a, b}]
-    return out
-
-
-def structure_changes(before: Scenario, after: Scenario) -> list[str]:
-    """Regions and links added or removed, in words, then the other keys that differ (as
-    `keel.scenario.diff_configs` words them, over the regions and links both have)."""
-    from keel.scenario import diff_configs
-    old, new = before.to_dict(), after.to_dict()
-    lines = []
-    names_old, names_new = [r["name"] for r in old["regions"]], [r["name"] for r in new["regions"]]
-    lines += [f"region {n} added ({after.region(n).nodes} nodes)" for n in names_new if n not in names_old]
-    lines += [f"region {n} removed" for n in names_old if n not in names_new]
-    pair = lambda link: frozenset((link["a"], link["b"]))  # noqa: E731
-    links_old, links_new = {pair(x): x for x in old["links"]}, {pair(x): x for x in new["links"]}
-    lines += [f"link {x['a']} - {x['b']} added ({x['rtt_ms']:g} ms, {x['gbit_s']:g} Gbit/s)"
-              for k, x in links_new.items() if k not in links_old]
-    lines += [f"link {x['a']} - {x['b']} removed" for k, x in links_old.items() if k not in links_new]
-    sched_old, sched_new = old["faults"]["schedule"], new["faults"]["schedule"]
-    if len(sched_new) < len(sched_old):
-        gone = [e for e in sched_old if e not in sched_new]
-        lines += [f"scheduled fault removed: {e['class']} on {e['target']} at step {e['at_step']}" for e in gone]
-    # the rest, keyed by name where the lists changed
-    for key, by in (("regions", "name"), ("links", None)):
-        ident = (lambda x, by=by: x[by] if by else pair(x))
-        if [ident(x) for x in old[key]] != [ident(x) for x in new[key]]:
-            common_old = {ident(x): x for x in old[key]}
-            common_new = {ident(x): x for x in new[key]}
-            for k in common_old.keys() & common_new.keys():
-                label = k if by else "-".join(sorted(k))
-                lines += [f"{key}[{label}] {c}" for c in diff_configs(common_old[k], common_new[k], "")]
-            old, new = {**old, key: []}, {**new, key: []}
-    if sched_old != sched_new and len(sched_old) != len(sched_new):
-        old = {**old, "faults": {**old["faults"], "schedule": []}}
-        new = {**new, "faults": {**new["faults"], "schedule": []}}
-    return lines + diff_configs(old, new)

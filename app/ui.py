@@ -2,6 +2,8 @@
 runs directory, pickers, and calling the twin. UI glue only."""
 from __future__ import annotations
 
+import math
+
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -197,6 +199,8 @@ def seconds(x: float | None) -> str:
     """A duration for a metric tile: 0.182 s, 12.5 s, 6.43 h."""
     if x is None:
         return "n/a"
+    if not math.isfinite(x):
+        return f"{x} s"
     if x >= 3600:
         return f"{x / 3600:.2f} h"
     if x >= 100:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import signal
 import sys
 from typing import Callable, Sequence
 
@@ -227,9 +228,54 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Stopped(KeyboardInterrupt):
+    """A signal that stops a command (SIGINT, SIGTERM, SIGHUP), raised where the command is, so
+    that its cleanup runs (`finally`: a run stops every process it started). `note` is what the
+    command adds to the one line it ends with (a run: its checkpoint and how to resume)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.note = ""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop(signum: int, frame) -> None:
+    for s in STOP_SIGNALS:  # the cleanup that follows runs once, not interrupted by the next signal
+        signal.signal(s, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+def _answer_signals() -> dict[int, object]:
+    """SIGTERM (Slurm, Kubernetes, systemd) and SIGHUP (a closed terminal) stop a command as
+    Ctrl-C does; a signal ignored when keel started (nohup) stays ignored. The handlers it
+    replaced (none outside the main thread, where Python allows no handler)."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    saved = {}
+    for s in STOP_SIGNALS:
+        previous = signal.getsignal(s)
+        if previous is not signal.SIG_IGN:
+            saved[s] = previous
+            signal.signal(s, _stop)
+    return saved
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one `keel` command line; returns its exit code (argparse's own exits included:
-    2 for a bad flag, 0 for --help and --version)."""
+    2 for a bad flag, 0 for --help and --version; 128 + N when signal N stopped it)."""
+    saved = _answer_signals()
+    try:
+        return _main(argv)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -239,6 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _Parser(prog=" ".join(["keel", *words])).error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed (a stopped run's resume command)
     try:
         if getattr(args, "scenario", None) is not None:
             # Every command that takes a scenario gets it checked here first, so bad input
@@ -260,9 +307,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # stdout closed early (`keel ... | head`): not an error
         sys.stderr.close()
         return 0
-    except KeyboardInterrupt:
-        print("keel: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        note = getattr(e, "note", "")
+        lead = "\n" if sys.stderr.isatty() else ""  # after a progress bar's unfinished line
+        print(f"{lead}keel: stopped by {signal.Signals(signum).name}{'; ' + note if note else ''}", file=sys.stderr)
+        return 128 + signum
     return int(code or 0)
 
 

@@ -7,6 +7,7 @@ Events that belong to one fault episode carry the same integer `detail["fault_id
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,11 +61,14 @@ def validate_event(d: Any, where: str = "event") -> Event:
         raise EventLogError(f"{where}: unknown key(s) {', '.join(sorted(extra))}")
     if d["kind"] not in KINDS:
         raise EventLogError(f"{where}: key 'kind': expected one of {', '.join(KINDS)}, got {d['kind']!r}")
-    if not isinstance(d["t"], (int, float)) or isinstance(d["t"], bool) or d["t"] < 0:
+    if not isinstance(d["t"], (int, float)) or isinstance(d["t"], bool) or not 0 <= d["t"] < math.inf:
         raise EventLogError(f"{where}: key 't': expected seconds >= 0, got {d['t']!r}")
     if not isinstance(d["step"], int) or isinstance(d["step"], bool) or d["step"] < 0:
         raise EventLogError(f"{where}: key 'step': expected an integer >= 0, got {d['step']!r}")
     fault = d.get("fault")
+    for key in ("fault", "action", "target"):
+        if d.get(key) is not None and not isinstance(d[key], str):
+            raise EventLogError(f"{where}: key '{key}': expected a string or null, got {json.dumps(d[key])[:60]}")
     if fault is not None and fault not in FAULT_CLASSES:
         raise EventLogError(f"{where}: key 'fault': expected one of {', '.join(FAULT_CLASSES)} or null, got {fault!r}")
     action = d.get("action")
@@ -116,14 +120,20 @@ def write_events(path: str | Path, events: Iterable[Event]) -> None:
 
 def iter_events(path: str | Path) -> Iterator[Event]:
     path = Path(path)
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise EventLogError(f"{path}:{n}: not UTF-8 text") from None
             if not line.strip():
                 continue
             try:
                 d = json.loads(line)
             except json.JSONDecodeError as e:
                 raise EventLogError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise EventLogError(f"{path}:{n}: nested too deeply to be an event") from None
             yield validate_event(d, f"{path}:{n}")
 
 

@@ -78,3 +78,97 @@ def print_json(obj: Any) -> None:
     """`--json`: one JSON object on stdout and nothing else there."""
     sys.stdout.write(_dumps(obj, None) + "\n")
     sys.stdout.flush()
+
+
+# ----------------------------------------------------------------------------- one run per directory
+
+LOCK = ".keel.lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory (`DIR/.keel.lock`, flock): one run writes a run
+    directory at a time. The file names its holder (pid, host, start time, command); the kernel
+    drops the lock when the holder exits however it exits, so a lock file whose holder is gone
+    is stale: it is taken over, and said so, naming the dead holder. Not inherited by child
+    processes (the descriptor is close-on-exec; a fork server is started by exec)."""
+
+    def __init__(self, run_dir: str | Path, flag: str = "--out"):
+        import fcntl
+        import socket
+        import time
+        self.path = Path(run_dir) / LOCK
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._holder() or "another process"
+            os.close(self.fd)  # not held: its file stays as its holder wrote it
+            self.fd = None
+            raise InputError(f"{flag} {run_dir}: in use by {holder}; a run directory holds one run at a time "
+                             f"(wait for that run, stop it, or choose another directory)") from None
+        previous = self._holder()
+        if previous:
+            print(f"keel: {run_dir}: a stale lock of {previous}, which exited without releasing it; taken over",
+                  file=sys.stderr, flush=True)
+        me = (f"pid {os.getpid()} on {socket.gethostname()} (started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+              f"{' '.join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:200]})")
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, me.encode("utf-8", "replace"), 0)
+
+    def _holder(self) -> str:
+        try:
+            text = os.pread(self.fd, 4096, 0).decode("utf-8", "replace").strip()
+        except OSError:
+            return ""
+        if not text.startswith("pid "):
+            return ""
+        return text
+
+    def close(self) -> None:
+        """Release the lock (and empty the file: a released lock is not stale)."""
+        if self.fd is None:
+            return
+        try:
+            os.ftruncate(self.fd, 0)
+        except OSError:
+            pass
+        os.close(self.fd)  # closing the descriptor drops the flock
+        self.fd = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def lock_run_dirs(out_dir: str | Path, resume: str | Path | None = None) -> list[RunDirLock]:
+    """The locks of a run: its directory, and the one it resumes from if that is another
+    (a run still writing checkpoints there is not resumed from)."""
+    locks = [RunDirLock(out_dir)]
+    if resume is not None and Path(resume).resolve() != Path(out_dir).resolve():
+        try:
+            resume_dir = Path(resume)
+            if resume_dir.name == "checkpoints":
+                resume_dir = resume_dir.parent
+            locks.append(RunDirLock(resume_dir, "--resume"))
+        except InputError:
+            locks[0].close()
+            raise
+        except OSError:  # a read-only directory of checkpoints: nothing writes there, nothing to hold
+            pass
+        except BaseException:
+            locks[0].close()
+            raise
+    return locks

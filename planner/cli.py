@@ -38,7 +38,11 @@ def validate(args: Any) -> int:
     from planner import validate as V
     scenario = args.loaded
     out = Path(args.out or f"runs/validate-{scenario.run.name}")
-    comparison = V.validate(scenario, out_dir=out, calibration=args.calibration, progress=True)
+    from runtime.capacity import check_machine
+    check_machine(V.emulated(scenario), "keel validate")  # an unfaithful emulation is refused before any repetition
+    from keel.rundir import RunDirLock
+    with RunDirLock(out):  # one validation per directory (each repetition's run locks its own)
+        comparison = V.validate(scenario, out_dir=out, calibration=args.calibration, progress=True)
     if args.json:
         print_json(comparison)
     else:

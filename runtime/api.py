@@ -76,6 +76,9 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
     check_runnable(scenario, steps)
     if resume is not None:  # bad directories are refused before anything is written, imported or started
         check_resume_dir(resume)
+        if allow_config_change:  # a changed model shape: found here, not once every worker has started
+            from runtime.resume_check import check_resume_shapes
+            check_resume_shapes(scenario, resume)
     check_writable_dir(out_dir)
     from keel.rundir import write_summary
     from runtime.supervisor import Supervisor
@@ -87,8 +90,12 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
     options = {"resume": str(resume) if resume is not None else None, "allow_config_change": allow_config_change,
                "progress": progress, "hangs": hangs, "device": device or os.environ.get("KEEL_DEVICE", "cpu"),
                "backend": backend or os.environ.get("KEEL_BACKEND", "gloo")}
-    summary = Supervisor(scenario, out, listen=listen, spawn=spawn, options=options).run()
-    write_summary(out, summary)
+    supervisor = Supervisor(scenario, out, listen=listen, spawn=spawn, options=options)  # locks `out`
+    try:
+        summary = supervisor.run()
+        write_summary(out, summary)
+    finally:
+        supervisor.close()
     return summary
 
 

@@ -270,9 +270,10 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(path: str | Path, *, config_hash: str | None = None, config: dict[str, Any] | None = None,
-                    allow_config_change: bool = False) -> LoadedCheckpoint:
+                    allow_config_change: bool = False, log_warnings: bool = True) -> LoadedCheckpoint:
     """Verify, then load all seven fields. A config hash other than `config_hash` is refused
-    with what changed (unless `allow_config_change`); another commit SHA is a warning."""
+    with what changed (unless `allow_config_change`); another commit SHA is a warning (logged,
+    unless the caller says them itself: `log_warnings=False`; they are in `.warnings`)."""
     path = Path(path)
     parsed = _verified(path)
     weights, optimizer_state, rng, context = parsed["weights"], parsed["optimizer_state"], parsed["rng"], parsed["context"]
@@ -289,7 +290,7 @@ def load_checkpoint(path: str | Path, *, config_hash: str | None = None, config:
     here = current_commit_sha()
     if context["commit_sha"] != here:
         warnings.append(f"{path}: written by commit {context['commit_sha']}, this code is {here}")
-    for w in warnings:
+    for w in warnings if log_warnings else ():
         log.warning("%s", w)
     return LoadedCheckpoint(step=context["step"], weights=weights, optimizer_state=optimizer_state, rng=rng,
                             data_state=context["data_offset"], config_hash=stored, config=context["config"],

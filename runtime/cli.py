@@ -15,6 +15,30 @@ from pathlib import Path
 from keel.rundir import print_json
 
 
+def resume_note(out: Path, argv: list[str]) -> str:
+    """What a stopped run leaves: its newest complete checkpoint and the command that resumes
+    from it (this command line, `argv`, resuming from `out`)."""
+    import shlex
+    from runtime.checkpoint_read import find_latest
+    latest = None
+    for candidate in (out / "checkpoints", out):
+        latest = find_latest(candidate, refused=[])
+        if latest is not None:
+            break
+    if latest is None:
+        return f"no checkpoint was completed in {out}; nothing to resume from"
+    argv, skip = [], False
+    for a in argv:  # this command line without its --out/--resume
+        if skip:
+            skip = False
+        elif a in ("--out", "--resume"):
+            skip = True
+        elif not a.startswith(("--out=", "--resume=")):
+            argv.append(a)
+    command = shlex.join(["keel", *argv, "--resume", str(out)])
+    return f"the last complete checkpoint is {latest}; resume with: {command}"
+
+
 def run(args: argparse.Namespace) -> int:
     if args.coordinator:
         from runtime.worker import main as worker_main
@@ -35,14 +59,20 @@ def run(args: argparse.Namespace) -> int:
                          "(add --emulate, or set emulation.enabled = true)")
     from runtime.api import check_runnable
     check_runnable(scenario, args.steps)  # before anything is written or started
+    from runtime.capacity import check_machine
+    check_machine(scenario)  # the processes, their memory, and an emulation's time scale: before any start
     if args.out:
         out = Path(args.out)
     elif args.resume:
         out = Path(args.resume)
     else:
         out = Path("runs") / scenario.run.name / time.strftime("%Y%m%d-%H%M%S")
-    summary = run_scenario(scenario, out, steps=args.steps, resume=args.resume, no_faults=args.no_faults,
-                           allow_config_change=args.allow_config_change, progress=True)
+    try:
+        summary = run_scenario(scenario, out, steps=args.steps, resume=args.resume, no_faults=args.no_faults,
+                               allow_config_change=args.allow_config_change, progress=True)
+    except KeyboardInterrupt as e:  # every process of the job has exited (the supervisor's finally)
+        e.note = resume_note(out, getattr(args, "argv", sys.argv[1:]))
+        raise
     for c in summary.get("checkpoints", []):  # a full disk does not stop the run, but it is said
         if c.get("error"):
             print(f"keel: warning: the checkpoint of step {c['step']} was not written ({c['error']}); "
@@ -68,4 +98,10 @@ def run(args: argparse.Namespace) -> int:
                   f"worst {emu['worst_late_s']:.3f} s), {emu['compute_overruns']} compute overruns; "
                   f"first steps (warm-up, not counted) up to {emu['warmup_late_s']:.3f} s late"
                   f"{'' if emu['faithful'] else ': NOT a faithful emulation'}")
+    emu = summary.get("emulation")
+    if emu and not emu.get("faithful", True):  # its times are the machine's, not the cluster's: not a result
+        print(f"keel: run failed: the emulation was not faithful ({emu['overruns']} of {emu['reports']} step reports "
+              f"late, limit {emu['max_overrun_fraction']:.0%}); its times are not the emulated cluster's "
+              f"(a larger emulation.time_scale keeps them)", file=sys.stderr)
+        return 1
     return 0

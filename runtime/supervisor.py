@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.errors import InputError, RunFailed
+from keel.rundir import lock_run_dirs
 from keel.net import is_loopback
 from keel.paths import REPO_ROOT
 from keel.scenario import Scenario
@@ -59,23 +60,31 @@ class Supervisor:
         self.out = Path(out_dir)
         self.spawn_local = spawn
         self.options = dict(options or {})
-        self.secret = env_secret() or (new_secret() if spawn else None)
+        self.secret = env_secret() or (new_secret() if self.spawn_local else None)
         if self.secret is None:
             raise InputError("KEEL_JOB_SECRET: not set; a coordinator whose workers start elsewhere needs the "
                              "job's secret, the same for it and every worker (e.g. export KEEL_JOB_SECRET="
                              "$(python3 -c 'import secrets; print(secrets.token_hex(32))'))")
+        self.locks = lock_run_dirs(self.out, self.options.get("resume"))  # before anything is written or started
+        try:
+            self._setup(listen)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, listen: str) -> None:
+        self.coord: subprocess.Popen | None = None
+        self.link: Channel | None = None
+        self.standby: tuple[subprocess.Popen, Channel] | None = None  # the next coordinator, waiting
+        self.procs: dict[int, tuple[str, LocalProcess]] = {}  # pid -> (node, process) for workers started here
         self.host, port = parse_address(listen)
         self._listen(port)
         self.restarts = restarts_allowed()
         self.hang_s = max(2.0, silence_s() / 3)  # a successor must be up before the workers give up
-        self.procs: dict[int, tuple[str, LocalProcess]] = {}  # pid -> (node, process) for workers started here
         self.exited: dict[int, int | None] = {}
         self.deaths: list[dict[str, Any]] = []  # every coordinator death: n, when noticed, how
         self.dying = ""  # what the coordinator said it is killed by (a scheduled coordinator_loss)
         self.incarnation = 0
-        self.coord: subprocess.Popen | None = None
-        self.link: Channel | None = None
-        self.standby: tuple[subprocess.Popen, Channel] | None = None  # the next coordinator, waiting
 
     def _listen(self, port: int) -> None:
         """The control port and the rendezvous store, both bound to `self.host` only (torch's
@@ -246,5 +255,10 @@ class Supervisor:
                 pass
         try:
             self.listener.close()
-        except OSError:
+        except (OSError, AttributeError):
             pass
+
+    def close(self) -> None:
+        """Release the run directory (after the summary is written: the run is over)."""
+        for lock in self.locks:
+            lock.close()

@@ -52,6 +52,15 @@ def _set_pdeathsig() -> None:
         pass
 
 
+def error_text(e: BaseException, lines: int = 4) -> str:
+    """What a worker's failure tells the user: the exception's type and the first lines of its
+    message (a traceback's tail starts mid-sentence), and where it was raised."""
+    text = "\n".join(str(e).strip().splitlines()[:lines])[:800]
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}; the traceback is in the worker's log)" if tb else ""
+    return f"{type(e).__name__}: {text}{where}"
+
+
 def _pick_device(device: str, backend: str, local_index: int) -> str:
     """The worker's device: "cuda" without an index puts the node on one of this machine's
     GPUs by its index among them (torchrun's LOCAL_RANK where set; with gloo several workers
@@ -423,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps every thread's stack to the log
     if args.die_with_parent:
         _set_pdeathsig()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # its supervisor answers Ctrl-C and stops it
     rank_hint = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
     if env_secret() is None:
         print(f"keel: {SECRET_ENV}: not set; the coordinator at {args.coordinator} admits only workers that "
@@ -435,9 +445,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         worker.serve()
-    except Exception:
-        traceback.print_exc()
-        worker.chan.send({"type": "error", "message": traceback.format_exc()[-2000:]})
+    except Exception as e:
+        traceback.print_exc()  # the whole of it goes to the worker's log
+        worker.chan.send({"type": "error", "message": error_text(e)})
         sys.stderr.flush()
         os._exit(1)
     return 0

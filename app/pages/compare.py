@@ -11,7 +11,7 @@ ui.entry_guard()
 st.title("Compare: predicted against observed")
 picked = ui.pick_dir("validation directory", ["validation"], key="compare_dir")
 if picked is None:
-    st.info(f"No validation under `{ui.runs_root()}`. `keel validate scenarios/local-8.toml --out "
+    st.info(f"No validation under `{ui.runs_root()}`. `keel validate scenarios/multiregion-12.toml --out "
             f"{ui.runs_root() / 'validate'}` runs the twin and the runtime on one fault schedule.")
     st.stop()
 try:

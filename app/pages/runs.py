@@ -57,10 +57,10 @@ if latest is not None:
     st.subheader(f"Latest run: {latest.label}")
     cols = st.columns(4)
     h = data.headline(summary)
-    cols[0].metric("goodput", f"{h['goodput']:.3f}")
+    cols[0].metric("goodput", data.fmt(h["goodput"], ".3f"))
     cols[1].metric("wall time", ui.seconds(h["wall_s"]))
     cols[2].metric("faults", h["faults"])
-    cols[3].metric("restarts", h["restarts"])
+    cols[3].metric("restarts", data.fmt(h["restarts"], "d"))
     st.altair_chart(charts.timeline_chart(events, summary, title=latest.label), width="content")
 latest_validation = next((r for r in jobs if r.kind == "validation"), None)
 if latest_validation is not None:

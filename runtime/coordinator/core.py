@@ -134,8 +134,8 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
         from runtime import checkpoint as ck
         latest = ck.resolve_resume(resume)  # says on stderr which newer ones it refused, and why
         loaded = ck.load_checkpoint(latest, config_hash=self.config_hash, config=self.config,
-                                    allow_config_change=self.allow_config_change)
-        for w in loaded.warnings:
+                                    allow_config_change=self.allow_config_change, log_warnings=False)
+        for w in loaded.warnings:  # once, as keel says things
             print(f"keel: warning: {w}", file=sys.stderr)
         self.load_path = str(latest)
         self.committed = self.start_step = int(loaded.step)

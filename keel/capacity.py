@@ -1,0 +1,91 @@
+"""What a run needs of this machine, checked before any process starts: one worker process per
+node, their memory, and (emulated) enough cores for the real compute to keep the emulated
+time. Pure decisions on given figures (`Machine`, a measured slot time), so a test gives the
+same verdict on any machine; `this_machine()` reads the figures of the one it runs on.
+
+A worker's memory is documented, not guessed: WORKER_BYTES is what one emulated worker
+process added in issue 28's probe (5 Dec, 2-core 24 GB machine: +17.1 GB for the 439 processes
+of a 400-node emulation of scenarios/multiregion-46.toml, 39 MB a process; with 1,000 nodes
+about 18 MB a worker before the machine ran out). Forked workers share the fork server's
+pages, so a worker's resident size (about 270 MB, docs/reliability.md's soak) overstates it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+from dataclasses import dataclass
+
+WORKER_BYTES = 40_000_000        # one worker process (see above)
+BASE_BYTES = 600_000_000         # the supervisor, the coordinator and its standby, the fork server
+CORE_MARGIN = 2.0                # real work beside a slot's compute (reduction, link emulation, the coordinator)
+PROCS_BESIDE_WORKERS = 8         # the supervisor, coordinators, fork server, resource tracker, ...
+
+
+@dataclass(frozen=True)
+class Machine:
+    cores: int                   # usable by this process (its CPU affinity)
+    available_bytes: int         # memory available without swapping (MemAvailable)
+    process_limit: int | None    # RLIMIT_NPROC left for this user (None: unlimited)
+
+
+def this_machine() -> Machine:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    return Machine(cores, available, None if soft == resource.RLIM_INFINITY else int(soft))
+
+
+def processes_fit(nodes: int, machine: Machine) -> str | None:
+    """Why `nodes` worker processes do not fit `machine` (memory, process limit), or None."""
+    need = BASE_BYTES + nodes * WORKER_BYTES
+    if need > machine.available_bytes:
+        fits = max(0, (machine.available_bytes - BASE_BYTES) // WORKER_BYTES)
+        return (f"{nodes} nodes need {nodes} worker processes, about {need / 1e9:.1f} GB "
+                f"({WORKER_BYTES // 1_000_000} MB a worker), and this machine has {machine.available_bytes / 1e9:.1f} GB "
+                f"available: at most {fits} nodes fit")
+    if machine.process_limit is not None and nodes + PROCS_BESIDE_WORKERS > machine.process_limit:
+        fits = max(0, machine.process_limit - PROCS_BESIDE_WORKERS)
+        return (f"{nodes} nodes need {nodes + PROCS_BESIDE_WORKERS} processes and this user may start "
+                f"{machine.process_limit} (ulimit -u): at most {fits} nodes fit")
+    return None
+
+
+def min_time_scale(slot_s: float, step_compute_s: float, speed: float, workers: int, cores: int) -> float:
+    """The smallest time scale at which `workers` emulated workers on `cores` cores keep their
+    emulated time: a worker computes each of its slots for real in `slot_s` (measured here),
+    slowed by sharing the cores when all compute at once, with CORE_MARGIN for the rest of a
+    step's real work, and has `step_compute_s / speed x time_scale` of wall time per slot."""
+    share = max(1.0, workers / max(1, cores))
+    return CORE_MARGIN * slot_s * share * speed / step_compute_s
+
+
+def round_up_scale(x: float) -> float:
+    """A time scale to suggest: `x` rounded up to two significant figures."""
+    if x <= 0:
+        return x
+    e = math.floor(math.log10(x)) - 1
+    return math.ceil(x / 10 ** e) * 10 ** e
+
+
+def time_scale_fits(time_scale: float, slot_s: float, step_compute_s: float, speed: float, workers: int,
+                    cores: int) -> str | None:
+    """Why the emulation cannot keep its time at `time_scale` here (with the scale that would
+    do), or None."""
+    need = min_time_scale(slot_s, step_compute_s, speed, workers, cores)
+    if time_scale >= need:
+        return None
+    return (f"emulation.time_scale {time_scale:g} is faster than this machine keeps: a slot's real compute "
+            f"takes {slot_s * 1000:.3g} ms here (measured), {workers} workers share {cores} cores, and the "
+            f"scenario gives a slot {step_compute_s / speed * time_scale * 1000:.3g} ms of wall time; "
+            f"a faithful emulation needs time_scale >= {round_up_scale(need):g} "
+            f"(--set emulation.time_scale={round_up_scale(need):g})")

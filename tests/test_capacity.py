@@ -1,0 +1,80 @@
+"""Issue 28 (and 25, part 2): what a run needs of this machine, decided before any process
+starts. The decisions on given figures (the same verdict on any machine), and the refusal
+path through the CLI with runs that fit no machine."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from keel import capacity
+from keel.capacity import Machine
+from runtime_helpers import REPO, keel
+
+pytestmark = pytest.mark.timeout(120)
+TWO_CORES = Machine(cores=2, available_bytes=22_000_000_000, process_limit=None)  # the issue's probe machine
+
+
+def test_processes_and_memory():
+    assert capacity.processes_fit(46, TWO_CORES) is None
+    why = capacity.processes_fit(1030, TWO_CORES)  # the 1,000-node probe: it grew until a watchdog killed it
+    assert why.startswith("1030 nodes need 1030 worker processes, about 41.8 GB") and "at most 535 nodes fit" in why
+    limited = Machine(cores=2, available_bytes=10**12, process_limit=100)
+    assert "at most 92 nodes fit" in capacity.processes_fit(200, limited)
+    assert capacity.processes_fit(92, limited) is None
+
+
+def test_time_scale_from_a_measured_slot():
+    # multiregion-46 (44 training nodes, 6 s a slot at time scale 0.25) with a 13.5 ms slot on 2 cores: fits
+    assert capacity.time_scale_fits(0.25, 0.0135, 6.0, 1.0, 44, 2) is None
+    # the same cluster with 428 training nodes: 214 workers a core
+    why = capacity.time_scale_fits(0.25, 0.0135, 6.0, 1.0, 428, 2)
+    assert "needs time_scale >= 0.97 (--set emulation.time_scale=0.97)" in why
+    # local-8: 20 ms a slot at time scale 1, 7 workers, a 4 ms slot measured on 2 cores: 28 ms needed
+    assert "needs time_scale >= 1.4" in capacity.time_scale_fits(1.0, 0.004, 0.02, 1.0, 7, 2)
+    assert capacity.time_scale_fits(1.4, 0.004, 0.02, 1.0, 7, 2) is None
+    assert capacity.time_scale_fits(1.0, 0.004, 0.02, 1.0, 7, 16) is None  # a machine with cores enough
+    assert capacity.min_time_scale(0.01, 1.0, 2.0, 1, 8) == pytest.approx(2 * 0.01 * 2.0)  # a faster region's nodes
+
+
+def _refused(*args: str, out) -> str:
+    p = subprocess.run(keel(*args, "--out", str(out)), capture_output=True, text=True, cwd=str(REPO), timeout=100)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert not out.exists()  # nothing written, nothing started
+    return p.stderr
+
+
+def test_an_emulation_no_machine_keeps_is_refused_before_it_starts(tmp_path):
+    # a slot given a nanosecond: no machine computes one that fast
+    err = _refused("run", "scenarios/multiregion-46.toml", "--emulate", "--set", "workload.step_compute_s=1e-9",
+                   "--steps", "3", out=tmp_path / "run")
+    assert "is faster than this machine keeps" in err and "--set emulation.time_scale=" in err
+    err = _refused("validate", "scenarios/multiregion-46.toml", "--set", "workload.step_compute_s=1e-9",
+                   out=tmp_path / "validate")
+    assert "refused before keel validate starts anything" in err
+
+
+def test_a_cluster_no_machine_holds_is_refused_before_it_starts(tmp_path):
+    err = _refused("run", "scenarios/multiregion-46.toml", "--emulate", "--set", "regions.0.nodes=99000",
+                   "--steps", "3", out=tmp_path / "run")
+    assert "99032 worker processes, about 3961.9 GB" in err and "nodes fit" in err
+
+
+def test_an_unfaithful_emulated_run_exits_1(monkeypatch, tmp_path, capsys):
+    """Its times are the machine's, not the emulated cluster's: not a result."""
+    import runtime.api
+    import runtime.capacity
+    from keel.cli import main
+    summary = {"scenario": "s", "steps": 3, "wall_s": 1.0, "step_time_s": 0.1, "goodput": 0.3, "restarts": 0,
+               "faults": [], "losses": [2.0], "final_weights_sha256": "0" * 64,
+               "emulation": {"time_scale": 1.0, "overruns": 9, "reports": 10, "overrun_fraction": 0.9,
+                             "max_overrun_fraction": 0.02, "worst_late_s": 0.5, "compute_overruns": 9,
+                             "warmup_late_s": 0.1, "faithful": False}}
+    monkeypatch.setattr(runtime.capacity, "check_machine", lambda sc, what="keel run": None)
+    monkeypatch.setattr(runtime.api, "run_scenario", lambda *a, **k: summary)
+    assert main(["run", "scenarios/local-8.toml", "--emulate", "--out", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert "keel: run failed: the emulation was not faithful (9 of 10 step reports late, limit 2%)" in err
+    summary["emulation"].update(overruns=0, overrun_fraction=0.0, faithful=True)
+    assert main(["run", "scenarios/local-8.toml", "--emulate", "--out", str(tmp_path / "r")]) == 0
