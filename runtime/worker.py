@@ -37,42 +37,11 @@ from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Wai
 from runtime.worker_checkpoint import CheckpointMixin
 from runtime.worker_link import CoordinatorLink, Refused, RejoinMixin, handshake
 from runtime.worker_state import StateMixin
+from runtime.worker_process import error_text, pick_device, set_pdeathsig
 
 BOUND_HEADROOM = 256.0  # slot values may exceed the first moment this much and still take one round
 LOSS_BOUND = 2.0 ** 20
 JOIN_WAIT_S = 60.0  # how long a new worker retries a coordinator that refuses connections (not up yet)
-
-
-def _set_pdeathsig() -> None:
-    """Die with the parent (Linux): a worker spawned by `keel run` never outlives it."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-def error_text(e: BaseException, lines: int = 4) -> str:
-    """What a worker's failure tells the user: the exception's type and the first lines of its
-    message (a traceback's tail starts mid-sentence), and where it was raised."""
-    text = "\n".join(str(e).strip().splitlines()[:lines])[:800]
-    tb = traceback.extract_tb(e.__traceback__)
-    where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}; the traceback is in the worker's log)" if tb else ""
-    return f"{type(e).__name__}: {text}{where}"
-
-
-def _pick_device(device: str, backend: str, local_index: int) -> str:
-    """The worker's device: "cuda" without an index puts the node on one of this machine's
-    GPUs by its index among them (torchrun's LOCAL_RANK where set; with gloo several workers
-    may share one GPU); with NCCL each rank must have a GPU of its own."""
-    if device.startswith("cuda"):
-        count = torch.cuda.device_count()
-        if count == 0:
-            raise RuntimeError(f"KEEL_DEVICE={device}: torch sees no CUDA device here")
-        if backend == "nccl" or ":" not in device:
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', local_index)) % count}"
-        torch.cuda.set_device(torch.device(device))
-    return device
 
 
 class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
@@ -146,7 +115,7 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
         torch.set_num_threads(1)
         torch.manual_seed(self.scenario.run.seed)
         self.backend = welcome.get("backend") or "gloo"
-        self.device = _pick_device(welcome.get("device") or "cpu", self.backend, welcome.get("local_index", 0))
+        self.device = pick_device(welcome.get("device") or "cpu", self.backend, welcome.get("local_index", 0))
 
         from runtime.data import Loader, ensure_dataset
         from runtime.model import build_model, build_optimizer
@@ -431,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps every thread's stack to the log
     if args.die_with_parent:
-        _set_pdeathsig()
+        set_pdeathsig()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # its supervisor answers Ctrl-C and stops it
     rank_hint = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
     if env_secret() is None:

@@ -154,7 +154,7 @@ def test_a_changed_model_shape_is_refused_before_the_job_starts(tmp_path):
 
 
 def test_a_worker_error_says_its_type_and_first_lines():
-    from runtime.worker import error_text
+    from runtime.worker_process import error_text
     try:
         raise RuntimeError("Error(s) in loading state_dict for GPT:\n\tsize mismatch for a\n\tb\n\tc\n\td\n\te")
     except RuntimeError as e:
