@@ -17,6 +17,7 @@ import hashlib
 import math
 from typing import Any
 
+from keel.errors import InputError  # noqa: F401  (keel.scenario.InputError: what callers catch)
 from keel.fault_classes import (COORDINATOR, CoordinatorLoss, DataShardSkew, FAULT_CLASSES,  # noqa: F401
                                 HardwareFault, NetworkJitter, PartialClusterLoss)
 from keel.scenario_base import (FLOAT_LIMIT, FLOAT_TINY, INT_LIMIT, MAX_FAULTS_PER_S, MAX_NODES,  # noqa: F401

@@ -53,9 +53,18 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
+def _default_signals() -> None:
+    """keel, like nohup'd programs, leaves a signal alone that it was started ignoring: a suite
+    run under nohup or in a non-interactive shell's background ignores SIGHUP or SIGINT, which a
+    child inherits. The job under test starts as from a terminal, with the default dispositions."""
+    for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)
+
+
 def _start(scenario: Path, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(keel("run", str(scenario), "--out", str(out), *extra), start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO))
+                            preexec_fn=_default_signals, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=str(REPO))
 
 
 def _wait_for_checkpoint(proc: subprocess.Popen, out: Path, timeout: float = 120.0) -> None:
