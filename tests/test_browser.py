@@ -125,8 +125,10 @@ def demo_outputs(runs: Path, root: Path) -> Path:
     demo.mkdir(parents=True)
     real, _ = validation_run(runs)
     validation = real or handwritten_validation(runs)
-    os.symlink(validation, demo / "validate")
-    os.symlink(validation / "runtime" / "rep-0", demo / "run")
+    # copies, as `keel demo` writes real directories: the dashboard follows no symbolic link
+    # out of the runs root (issue 28), and the session's validation lies outside this one
+    shutil.copytree(validation, demo / "validate", symlinks=True)
+    shutil.copytree(validation / "runtime" / "rep-0", demo / "run", symlinks=True)
     if twin_ok():
         keel("simulate", str(DEFAULT), "--out", str(demo / "simulate"), timeout=120)
         keel("plan", str(LOCAL), "--trials", "6", "--replicas", "1", "--out", str(demo / "plan"), timeout=240)
@@ -218,7 +220,7 @@ def test_every_page_in_a_real_browser(app_server, browser, tmp_path):
     browser.goto(f"{url}/")
     settle(browser, "Runs")
     body = check_page(browser, "Runs", shots)
-    # the newest of the demo's own runs (run/ here is an older validation's repetition, linked)
+    # the newest of the demo's own runs (run/ here is a copy of the validation's first repetition)
     assert "Latest run: demo/simulate\n" in body or "Latest run: demo/run\n" in body
     assert "Latest validation: demo/validate" in body and "Latest plan: demo/plan" in body
     cells = [c.strip() for c in json.loads(browser.evaluate(CELLS))]
