@@ -13,7 +13,7 @@ from typing import Any
 
 from keel import metrics, rundir
 from keel.errors import InputError
-from keel.events import Event, EventLogError, validate_event
+from keel.events import Event, EventLogError, parse_line
 
 MAX_STEP_POINTS = 2000      # committed steps kept from a long log (every k-th, and the first after each event)
 MAX_OTHER_EVENTS = 50_000   # events other than steps kept; beyond: the log is damaged (no run has that many)
@@ -178,19 +178,9 @@ def read_run_log(path: str | Path) -> RunLog:
                     raise EventLogError(f"{path}:{n}: not UTF-8 text") from None
                 last_step = (n, raw)
                 continue
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise EventLogError(f"{path}:{n}: not UTF-8 text") from None
-            if not line.strip():
+            event = parse_line(raw, f"{path}:{n}")
+            if event is None:
                 continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EventLogError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            except RecursionError:
-                raise EventLogError(f"{path}:{n}: nested too deeply to be an event") from None
-            event = validate_event(d, f"{path}:{n}")
             if event.kind == "step":
                 steps += 1
                 keep_next = False
@@ -202,20 +192,13 @@ def read_run_log(path: str | Path) -> RunLog:
                                         f"not a log keel writes")
                 keep_next = True
                 if last_step is not None:  # the step before an event: where its episode starts
-                    out.append(_step_event(path, *last_step))
+                    out.append(parse_line(last_step[1], f"{path}:{last_step[0]}"))
                     last_step = None
             out.append(event)
         out.lines, out.steps = n, steps
     if last_step is not None:
-        out.append(_step_event(path, *last_step))
+        out.append(parse_line(last_step[1], f"{path}:{last_step[0]}"))
     return out
-
-
-def _step_event(path: Path, n: int, raw: bytes) -> Event:
-    try:
-        return validate_event(json.loads(raw), f"{path}:{n}")
-    except json.JSONDecodeError as e:
-        raise EventLogError(f"{path}:{n}: not valid JSON ({e.msg})") from None
 
 
 def load_run(path: str | Path) -> tuple[list[Event], dict[str, Any]]:

@@ -118,23 +118,31 @@ def write_events(path: str | Path, events: Iterable[Event]) -> None:
             log.emit(e)
 
 
+def parse_line(raw: bytes, where: str) -> Event | None:
+    """One line of events.jsonl as read from the file (`where`: "FILE:LINE"); None for a blank
+    line. Damage is an EventLogError naming `where`."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise EventLogError(f"{where}: not UTF-8 text") from None
+    if not line.strip():
+        return None
+    try:
+        d = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise EventLogError(f"{where}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise EventLogError(f"{where}: nested too deeply to be an event") from None
+    return validate_event(d, where)
+
+
 def iter_events(path: str | Path) -> Iterator[Event]:
     path = Path(path)
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise EventLogError(f"{path}:{n}: not UTF-8 text") from None
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EventLogError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            except RecursionError:
-                raise EventLogError(f"{path}:{n}: nested too deeply to be an event") from None
-            yield validate_event(d, f"{path}:{n}")
+            event = parse_line(raw, f"{path}:{n}")
+            if event is not None:
+                yield event
 
 
 def read_events(path: str | Path) -> list[Event]:

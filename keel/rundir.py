@@ -85,7 +85,8 @@ def print_json(obj: Any) -> None:
 LOCK = ".keel.lock"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid exists on this machine."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

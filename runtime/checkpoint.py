@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from keel.durable import fsync_dir, write_synced
+from keel.rundir import pid_alive
 from runtime.train_state import capture_rng, flatten_optimizer, restore_rng  # noqa: F401  (ck.capture_rng, ck.restore_rng)
 
 from runtime.checkpoint_format import (FIELD_FILES, FIELDS, FILES, FORMAT, FORMAT_VERSION, HEX,  # noqa: F401
@@ -186,16 +187,6 @@ def save_checkpoint(run_dir: str | Path, *, step: int, model: torch.nn.Module, o
     return write_snapshot(run_dir, snap, keep, before_commit)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def prune(run_dir: str | Path, keep: int) -> list[Path]:
     """Delete all but the newest `keep` checkpoints, and the `.tmp-*`/`.trash-*` directories
     of writers that are no longer alive."""
@@ -211,7 +202,7 @@ def prune(run_dir: str | Path, keep: int) -> list[Path]:
         removed.append(p)
     for p in run_dir.iterdir():
         m = TMP_DIR.match(p.name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed

@@ -228,16 +228,25 @@ def find_latest(run_dir: str | Path, refused: list[tuple[Path, list[str]]] | Non
     return None
 
 
+def newest_in_run(run_dir: str | Path, refused: list | None = None) -> Path | None:
+    """The newest complete checkpoint of a run directory: in DIR/checkpoints, or DIR itself
+    when it holds the checkpoints; None if there is none (`refused` collects the newer ones
+    that were refused, with why)."""
+    run_dir = Path(run_dir)
+    refused = [] if refused is None else refused
+    for candidate in (run_dir / "checkpoints", run_dir):
+        latest = find_latest(candidate, refused)
+        if latest is not None:
+            return latest
+    return None
+
+
 def resolve_resume(resume: str | Path) -> Path:
     """`--resume DIR`: the newest complete checkpoint in DIR/checkpoints or DIR. Every newer one
     that was refused is reported on stderr with why, and with the one resumed from instead."""
     resume = check_resume_dir(resume)
     refused: list[tuple[Path, list[str]]] = []
-    latest = None
-    for candidate in (resume / "checkpoints", resume):
-        latest = find_latest(candidate, refused)
-        if latest is not None:
-            break
+    latest = newest_in_run(resume, refused)
     if latest is None:
         why = "; ".join(f"{p.name}: {'; '.join(pr)}" for p, pr in refused) if refused else "none found"
         raise InputError(f"--resume {resume}: no complete checkpoint to resume from ({why})")

@@ -19,12 +19,8 @@ def resume_note(out: Path, argv: list[str]) -> str:
     """What a stopped run leaves: its newest complete checkpoint and the command that resumes
     from it (this command line, `argv`, resuming from `out`)."""
     import shlex
-    from runtime.checkpoint_read import find_latest
-    latest = None
-    for candidate in (out / "checkpoints", out):
-        latest = find_latest(candidate, refused=[])
-        if latest is not None:
-            break
+    from runtime.checkpoint_read import newest_in_run
+    latest = newest_in_run(out)
     if latest is None:
         return f"no checkpoint was completed in {out}; nothing to resume from"
     argv, skip = [], False

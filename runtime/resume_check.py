@@ -58,13 +58,9 @@ def first_mismatch(stored: dict[str, list[int]], wanted: dict[str, list[int]]) -
 def check_resume_shapes(scenario: Scenario, resume: str | Path) -> None:
     """InputError naming the first mismatching tensor, before anything starts, when the
     checkpoint `--resume` would load does not fit the scenario's model."""
-    from runtime.checkpoint_read import find_latest
+    from runtime.checkpoint_read import newest_in_run
     resume = Path(resume)
-    latest = None
-    for candidate in (resume / "checkpoints", resume):
-        latest = find_latest(candidate, refused=[])
-        if latest is not None:
-            break
+    latest = newest_in_run(resume)
     if latest is None:
         return  # the coordinator says why there is nothing to resume from
     try:

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from keel.rundir import pid_alive
+
 NET = ipaddress.ip_network("198.18.0.0/15")
 PREFIX = "kb"            # every namespace of a bed is named kb<pid>[.<n>]-<role>
 _NAME = re.compile(rf"^{PREFIX}(\d+)(?:\.\d+)?-")
@@ -73,16 +75,6 @@ def bed_namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line and _NAME.match(line.split()[0])]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _kill_and_delete(namespaces: Sequence[str]) -> None:
     """SIGKILL every process in these namespaces, then delete them (their veths and bridge go)."""
     for _ in range(50):
@@ -105,7 +97,7 @@ def _kill_and_delete(namespaces: Sequence[str]) -> None:
 def sweep_stale() -> list[str]:
     """Delete the namespaces of beds whose owner process is gone (killed before its teardown
     ran); the names swept."""
-    stale = [ns for ns in bed_namespaces() if not _pid_alive(int(_NAME.match(ns).group(1)))]
+    stale = [ns for ns in bed_namespaces() if not pid_alive(int(_NAME.match(ns).group(1)))]
     _kill_and_delete(stale)
     return stale
 
