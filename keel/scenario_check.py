@@ -9,6 +9,7 @@ import typing
 from keel import fault_classes as FC
 from keel.scenario_base import MAX_FAULTS_PER_S, MAX_NODES, MAX_SHARDS, MAX_SLOTS, MAX_STEPS, ScenarioError, _unit
 from keel.schema import Scenario
+from keel.wire import check as check_wire
 
 
 def check(s: Scenario) -> None:
@@ -32,7 +33,7 @@ def check(s: Scenario) -> None:
         fail("run.name", "expected a non-empty name (it names the run's outputs), got an empty string")
     w = s.workload
     positive(w.step_compute_s, "workload.step_compute_s")
-    positive(w.gradient_bytes, "workload.gradient_bytes", True)
+    check_wire(s, fail)
     positive(w.slots, "workload.slots", True)
     if w.slots > MAX_SLOTS:
         fail("workload.slots", f"expected at most {MAX_SLOTS:,} slots, got {w.slots:,}")

@@ -18,6 +18,7 @@ from keel.scenario_base import (FLOAT_LIMIT, FLOAT_TINY, INT_LIMIT, ScenarioErro
                                 _toml_name, _unit)
 from keel import schema
 from keel.schema import Scenario
+from keel.wire import migrate as migrate_wire
 
 
 def _type_name(tp: Any) -> str:
@@ -159,6 +160,7 @@ def from_dict(raw: dict, source: str = "<scenario>", overrides: typing.Sequence[
     for text in overrides:
         key, value = parse_override(text)
         apply_override(raw, key, value, source)
+    migrate_wire(raw, source, _Loader(source).fail)
     scenario = _Loader(source).build(schema.Scenario, raw, "")
     scenario = dataclasses.replace(scenario, source=source)
     check(scenario)

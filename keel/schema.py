@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from keel import fault_classes
 from keel.scenario_base import _doc, _toml_name, canonical_json
+from keel.wire import Reduction
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -24,7 +25,9 @@ class Run:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Workload:
     step_compute_s: float = _doc("fault-free compute time of one slot's micro-batch on a node", 1.0)
-    gradient_bytes: int = _doc("bytes of gradient all-reduced every step", 2_000_000_000)
+    params: int = _doc("the model's parameters: the gradient elements all-reduced every step (keel/wire.py "
+                       "turns them into bytes with reduction.format)", 1_000_000_000)
+    gradient_dtype: str = _doc("the model's gradient dtype: float32, bf16 or fp16", "bf16")
     slots: int = _doc("logical data-parallel units, fixed for the run; 0 = one per training node", 0)
     micro_batch: int = _doc("samples per slot per step", 8)
     compute_jitter: float = _doc("per-node, per-step compute jitter (coefficient of variation)", 0.02)
@@ -161,6 +164,7 @@ class Scenario:
     data: Data = _doc("the runtime's dataset", default_factory=Data)
     validate: Validate = _doc("validation tolerances, declared before the run", default_factory=Validate)
     emulation: Emulation = _doc("the runtime's emulated-cluster mode", default_factory=Emulation)
+    reduction: Reduction = _doc("the runtime's exact reduction over slots", default_factory=Reduction)
     source: str = field(default="<scenario>", compare=False, metadata={"internal": True})
 
     # -- derived, never stored

@@ -49,6 +49,12 @@ def check_runnable(scenario: Scenario, steps: int | None = None) -> None:
         raise InputError(f"{what}: expected at least 2 steps for a run (its step time is measured "
                          f"between commits), got {n}")
 
+    from runtime.reduction import FORMATS, reduction_format
+    if reduction_format(scenario) not in FORMATS:
+        raise InputError(f"{scenario.source}: key 'reduction.format': expected one of {', '.join(FORMATS)} "
+                         f"for a run (native is a plain all-reduce the twin prices for comparison), "
+                         f"got {scenario.reduction.format!r}")
+
     shards, context = scenario.data.shards, scenario.model.context
     shard_bytes = CORPUS_CAP_BYTES // shards
     if shard_bytes < 2 * SAMPLES_CONTEXT:

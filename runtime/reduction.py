@@ -24,11 +24,20 @@ largest value of its tensor times float32's own resolution, so the result equals
 mean of the slots rounded to float32, up to one float32 rounding. The plain float32 mean is
 itself only that accurate.
 
+Formats (keel/wire.py holds the bytes rule): `int64` as above, one exponent per tensor; `block32`
+and `block16`, the same arithmetic in int32 and int16 with one exponent per block of 32 elements
+of a tensor (`blocked`), so a block's resolution follows its own largest value. Their step 1
+sends one byte per block (`exponent_codes`: the MAX of the codes is the code of the MAX), so a
+step sends 4 (2) bytes per element plus 1/32 byte, agreed from the blocks' true maxima: no a
+priori bound, no fallback, always the same two rounds. Every property above holds for every
+format. Values are quantised to 2^-(base - ceil(log2 slots)) of their block's bound (base 61,
+30, 14); docs/reduction.md states the error bound and the measured accuracy.
+
 A non-finite value anywhere sets the flag instead; every worker sees it after step 1 and the
 step is not committed (quarantine, see worker.py). The int64 round is then skipped.
 
-One round in the common case (`SlotReducer.reduce`): given a priori bounds that every worker
-knows identically, step 1 is not needed. Each worker encodes with the bounds' shifts and checks
+The int64 format takes one round in the common case (`SlotReducer.reduce`): given a priori
+bounds that every worker knows identically, step 1 is not needed. Each worker encodes with the bounds' shifts and checks
 the bounds on the scaled values (|v| < 2^e exactly when |v x 2^shift| < 2^(61 - ceil(log2
 slots))), one min/max pass per slot, and appends two counters to the int64 vector: overflow
 (a finite value beyond its bound) and non-finite. If any worker overflowed, the step takes the
@@ -45,6 +54,9 @@ from typing import Callable, Sequence
 import torch
 
 SHIFT_BASE = 61  # bits of headroom in an int64 sum, minus one for the sign
+# format -> (integer dtype, its SHIFT_BASE, elements per exponent: None for one per tensor)
+FORMATS = {"int64": (torch.int64, SHIFT_BASE, None), "block32": (torch.int32, 30, 32),
+           "block16": (torch.int16, 14, 32)}
 ZERO_BOUND = -149  # the exponent of a zero bound: 2**-149 is the smallest positive float32, so it admits only 0
 
 
@@ -81,6 +93,62 @@ class Layout:
         return torch.repeat_interleave(per_segment, self.sizes_t)
 
 
+def reduction_format(scenario) -> str:
+    """The format a scenario's run reduces in (keel.wire.effective_format); the twin's `native`
+    (a plain all-reduce, not exact) is refused at the runtime's start (runtime/cli.py)."""
+    from keel import wire
+    return wire.effective_format(scenario.reduction.format, scenario.slot_count)
+
+
+@functools.lru_cache(maxsize=8)
+def blocked(layout: Layout, block: int | None) -> Layout:
+    """`layout` with every segment cut into blocks of `block` elements (the last one of a
+    segment shorter): each block gets its own exponent. None: `layout` itself."""
+    if block is None:
+        return layout
+    return Layout(tuple(b for n in layout.sizes for b in [block] * (n // block) + ([n % block] if n % block else [])))
+
+
+def segment_bounds(layout: Layout, element_bounds: torch.Tensor) -> list[float]:
+    """Per segment of `layout`, the largest of its elements' a priori bounds."""
+    m = torch.zeros(layout.segments, dtype=element_bounds.dtype)
+    m.scatter_reduce_(0, layout.seg_ids, element_bounds, reduce="amax", include_self=True)
+    return m.tolist()
+
+
+BOUND_HEADROOM = 256.0  # slot values may exceed the first moment this much and still take one round
+LOSS_BOUND = 2.0 ** 20
+
+
+def moment_bounds(first_moments: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A priori bounds per element of a slot's vector from AdamW's first moments (replicated:
+    identical on every worker): BOUND_HEADROOM x |moment|, then LOSS_BOUND for the loss. The
+    int64 format takes each tensor's largest; the block formats agree exponents instead."""
+    parts = [m.detach().abs().flatten().float().cpu() for m in first_moments]
+    return torch.cat(parts + [torch.tensor([LOSS_BOUND / BOUND_HEADROOM])]) * BOUND_HEADROOM
+
+
+EXP_OFFSET = 121  # a block's exponent e travels as the byte e + EXP_OFFSET (e clamped to [-120, 128])
+ZERO_CODE, NONFINITE_CODE = 0, 255  # an all-zero block; the non-finite flag (the last byte)
+
+
+def exponent_codes(maxima: torch.Tensor) -> torch.Tensor:
+    """uint8[segments + 1]: per segment the byte of e with max < 2**e (ZERO_CODE for 0; e is
+    raised to -120 at least, still a bound), then NONFINITE_CODE if the flag is set. The MAX of
+    codes is the code of the MAX of the maxima, so one byte per block agrees the exponents."""
+    m = maxima[:-1]
+    e = torch.frexp(m).exponent.clamp(-120, 128) + EXP_OFFSET
+    codes = torch.where(m > 0, e, torch.full_like(e, ZERO_CODE)).to(torch.uint8)
+    return torch.cat([codes, torch.tensor([NONFINITE_CODE if maxima[-1] > 0 else 0], dtype=torch.uint8)])
+
+
+def code_exponents(codes: torch.Tensor) -> list[int]:
+    """The agreed exponent per segment from the all-reduced codes (0 for an all-zero block, as
+    `exponents` gives)."""
+    c = codes[:-1].to(torch.int32)
+    return torch.where(c == ZERO_CODE, 0, c - EXP_OFFSET).tolist()
+
+
 def local_maxima(layout: Layout, slot_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
     """float32[segments + 1]: max |value| per segment over these slots, then the non-finite
     flag (1.0 if any value is NaN or infinite; such segments count 0 in the maxima)."""
@@ -101,15 +169,16 @@ def _headroom(slots: int) -> int:
     return max(0, math.ceil(math.log2(slots))) if slots > 1 else 0
 
 
-def shifts_for(exps: Sequence[int], slots: int) -> tuple[int, ...]:
+def shifts_for(exps: Sequence[int], slots: int, base: int = SHIFT_BASE) -> tuple[int, ...]:
     """The power of two each segment is scaled by, for values below 2**e: their scaled values
-    are below 2^(SHIFT_BASE - headroom), so no sum of `slots` of them overflows."""
-    return tuple(SHIFT_BASE - e - _headroom(slots) for e in exps)
+    are below 2^(base - headroom), so no sum of `slots` of them overflows."""
+    h = _headroom(slots)
+    return tuple(base - e - h for e in exps)
 
 
-def shifts(global_maxima: torch.Tensor, slots: int) -> tuple[int, ...]:
+def shifts(global_maxima: torch.Tensor, slots: int, base: int = SHIFT_BASE) -> tuple[int, ...]:
     """The power of two each segment is scaled by before rounding."""
-    return shifts_for(exponents(global_maxima[:-1].tolist()), slots)
+    return shifts_for(exponents(global_maxima[:-1].tolist()), slots, base)
 
 
 def bound_exponents(bounds: Sequence[float] | None) -> list[int] | None:
@@ -141,15 +210,16 @@ def _scaled(layout: Layout, v: torch.Tensor, shift: tuple[int, ...]) -> torch.Te
 
 def _add(out: torch.Tensor, q: torch.Tensor, first: bool) -> None:
     if first:
-        out.copy_(q)  # integral floats: the conversion to int64 is exact
+        out.copy_(q)  # integral floats within the format's range: the conversion is exact
     else:
-        out.add_(q.to(torch.int64))
+        out.add_(q.to(out.dtype))
 
 
-def encode(layout: Layout, slot_vectors: Sequence[torch.Tensor], shift: tuple[int, ...]) -> torch.Tensor:
-    """int64[total]: the sum over these slots of round_half_even(value x 2^shift) (exact).
+def encode(layout: Layout, slot_vectors: Sequence[torch.Tensor], shift: tuple[int, ...],
+           dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """int[total]: the sum over these slots of round_half_even(value x 2^shift) (exact).
     The values must be finite and below the shift's bound."""
-    out = torch.empty(layout.total, dtype=torch.int64)
+    out = torch.empty(layout.total, dtype=dtype)
     if not slot_vectors:
         return out.zero_()
     for i, v in enumerate(slot_vectors):
@@ -158,12 +228,12 @@ def encode(layout: Layout, slot_vectors: Sequence[torch.Tensor], shift: tuple[in
 
 
 def encode_bounded(layout: Layout, slot_vectors: Sequence[torch.Tensor], shift: tuple[int, ...],
-                   slots: int, out: torch.Tensor) -> tuple[int, int]:
+                   slots: int, out: torch.Tensor, base: int = SHIFT_BASE) -> tuple[int, int]:
     """`encode` with a priori bounds, checked on the scaled values (|v| < 2^e exactly when
-    |v x 2^shift| < 2^(SHIFT_BASE - headroom)): returns the counters (overflow, non-finite),
+    |v x 2^shift| < 2^(base - headroom)): returns the counters (overflow, non-finite),
     (1, 0) if some finite value exceeds its bound, (0, 1) if some value is not finite; `out`
     is then all zeros."""
-    limit = math.ldexp(1.0, SHIFT_BASE - _headroom(slots))
+    limit = math.ldexp(1.0, base - _headroom(slots))
     over = nonfinite = False
     for i, v in enumerate(slot_vectors):
         q = _scaled(layout, v, shift)
@@ -186,24 +256,31 @@ def decode(layout: Layout, total: torch.Tensor, shift: tuple[int, ...], slots: i
 
 
 def reduce_local(layout: Layout, per_worker: Sequence[Sequence[torch.Tensor]], slots: int,
-                 bounds: Sequence[float] | None = None) -> torch.Tensor | None:
+                 bounds: Sequence[float] | None = None, fmt: str = "int64",
+                 rounds: list[int] | None = None) -> torch.Tensor | None:
     """The whole reduction without a network, for tests and for checking: `per_worker` is each
-    worker's list of slot vectors. None if any value is non-finite."""
-    exps = bound_exponents(bounds)
+    worker's list of slot vectors, `bounds` one per segment of `blocked(layout, fmt's block)`.
+    None if any value is non-finite. `rounds`, if given, gets the rounds the step took."""
+    dtype, base, block = FORMATS[fmt]
+    layout = blocked(layout, block)
+    exps = bound_exponents(bounds) if block is None else None  # block formats: exponents first
     if exps is not None:
-        sh = shifts_for(exps, slots)
-        parts = [torch.empty(layout.total, dtype=torch.int64) for _ in per_worker]
-        over, nonfinite = map(sum, zip(*(encode_bounded(layout, vs, sh, slots, out)
+        sh = shifts_for(exps, slots, base)
+        parts = [torch.empty(layout.total, dtype=dtype) for _ in per_worker]
+        over, nonfinite = map(sum, zip(*(encode_bounded(layout, vs, sh, slots, out, base)
                                          for vs, out in zip(per_worker, parts))))
         if nonfinite:
             return None
         if not over:
+            rounds is not None and rounds.append(1)
             return decode(layout, sum(parts), sh, slots)
+    rounds is not None and rounds.append(2)
     m = torch.stack([local_maxima(layout, vs) for vs in per_worker]).max(dim=0).values
     if m[-1] > 0:
         return None
-    sh = shifts(m, slots)
-    total = sum(encode(layout, vs, sh) for vs in per_worker)
+    # the MAX of the codes is the code of the MAX (the network path all-reduces codes)
+    sh = shifts(m, slots, base) if block is None else shifts_for(code_exponents(exponent_codes(m)), slots, base)
+    total = sum(encode(layout, vs, sh, dtype) for vs in per_worker)
     return decode(layout, total, sh, slots)
 
 
@@ -279,12 +356,30 @@ class SlotReducer:
     hold, else two."""
 
     def __init__(self, layout: Layout, slots: int, device: str = "cpu", waiter: Waiter | None = None,
-                 collective: Callable[[object, torch.Tensor, str, Callable[[], bool]], torch.Tensor] | None = None):
+                 collective: Callable[[object, torch.Tensor, str, Callable[[], bool]], torch.Tensor] | None = None,
+                 fmt: str = "int64"):
         self.waiter = waiter
         self.collective = collective  # (pg, tensor, "sum" | "max", should_abort) -> tensor; None: gloo's all-reduce
-        self.layout = layout
+        self.fmt = fmt
+        self.dtype, self.base, self.block = FORMATS[fmt]
+        self.layout = blocked(layout, self.block)  # one exponent per segment of this layout
         self.slots = slots
         self.device = device
+        self.last_rounds = 0
+
+    def bounds(self, element_bounds: torch.Tensor) -> list[float]:
+        """Per-segment bounds (`reduce`'s `bounds`) from a bound per element."""
+        return segment_bounds(self.layout, element_bounds)
+
+    def buffer(self) -> torch.Tensor:  # the int64 format's one-round vector: values, then two counters
+        return torch.empty(self.layout.total + 2, dtype=self.dtype)
+
+    def wire_rounds(self) -> list[tuple[str, int, int]]:
+        """(op, elements, bytes per element) of each collective of a common step, as sent
+        (keel.wire.rounds says the same from the parameter count)."""
+        if self.block is None:
+            return [("sum", self.layout.total + 2, self.dtype.itemsize)]
+        return [("max", self.layout.segments + 1, 1), ("sum", self.layout.total, self.dtype.itemsize)]
 
     def reduce(self, pg, slot_vectors: Sequence[torch.Tensor], should_abort: Callable[[], bool],
                before_comm: Callable[[], None] = lambda: None,
@@ -299,12 +394,14 @@ class SlotReducer:
         workers holding a non-finite value). If no one overflowed, that sum is the result; if
         someone did, the step falls back to the two rounds. Which path a step takes depends
         only on the state and the slots' values, so it is the same in every replay."""
-        layout, slots = self.layout, self.slots
+        layout, slots, base = self.layout, self.slots, self.base
+        if self.block is not None:
+            return self._reduce_blocks(pg, slot_vectors, should_abort, before_comm)
         exps = bound_exponents(bounds)
         if exps is not None:
-            sh = shifts_for(exps, slots)
-            buf = torch.empty(layout.total + 2, dtype=torch.int64)
-            buf[-2:] = torch.tensor(encode_bounded(layout, slot_vectors, sh, slots, buf[:-2]))
+            sh = shifts_for(exps, slots, base)
+            buf = self.buffer()
+            buf[-2:] = torch.tensor(encode_bounded(layout, slot_vectors, sh, slots, buf[:-2], base))
         else:
             m = local_maxima(layout, slot_vectors)
         before_comm()
@@ -321,14 +418,33 @@ class SlotReducer:
         m = self._allreduce(pg, m, "max", should_abort)
         if m[-1] > 0:
             return None
-        sh = shifts(m, slots)
-        total = self._allreduce(pg, encode(layout, slot_vectors, sh), "sum", should_abort)
+        sh = shifts(m, slots, base)
+        total = self._allreduce(pg, encode(layout, slot_vectors, sh, self.dtype), "sum", should_abort)
+        return decode(layout, total, sh, slots)
+
+    def _reduce_blocks(self, pg, slot_vectors, should_abort, before_comm) -> torch.Tensor | None:
+        """A block format's step: one byte per block agrees the exponents from the blocks' true
+        maxima (MAX), then the fixed-point vector (SUM). Never more, never fewer rounds."""
+        layout, slots = self.layout, self.slots
+        codes = exponent_codes(local_maxima(layout, slot_vectors))
+        before_comm()
+        self.last_rounds = 2
+        codes = self._allreduce(pg, codes, "max", should_abort)
+        if int(codes[-1]):
+            return None
+        sh = shifts_for(code_exponents(codes), slots, self.base)
+        total = self._allreduce(pg, encode(layout, slot_vectors, sh, self.dtype), "sum", should_abort)
         return decode(layout, total, sh, slots)
 
     def _allreduce(self, pg, t: torch.Tensor, op: str, should_abort: Callable[[], bool]) -> torch.Tensor:
         if self.collective is not None:
             return self.collective(pg, t, op, should_abort)
         import torch.distributed as dist
+        if t.dtype == torch.int16:  # gloo has no int16 all-reduce: a ring of point-to-point messages
+            from runtime.emulation import hier
+            plan = hier.plan_for((tuple(range(pg.size())),), t.numel())
+            hier.run_plan(pg, pg.rank(), plan, t, op, 0.0, lambda step, msg, c: 0.0, should_abort, self.waiter)
+            return t
         t = t if self.device == "cpu" else t.to(self.device)
         reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         return allreduce(pg, t, reduce_op, should_abort, self.waiter).cpu()

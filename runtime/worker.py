@@ -33,14 +33,12 @@ from runtime.emulation.worker import EmulatedNodeMixin
 from runtime.groups import PG_TIMEOUT, WILDCARDS, GroupFactory
 from runtime.inject import CommGate, kill_self, poisoned_at
 from runtime.protocol import COORDINATOR_SILENCE_S, EXIT_COORDINATOR_LOST, SECRET_ENV, ProtocolError, env_secret, parse_address
-from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter
+from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter, moment_bounds, reduction_format
 from runtime.worker_checkpoint import CheckpointMixin
 from runtime.worker_link import CoordinatorLink, Refused, RejoinMixin, handshake
 from runtime.worker_state import StateMixin
 from runtime.worker_process import error_text, pick_device, set_pdeathsig
 
-BOUND_HEADROOM = 256.0  # slot values may exceed the first moment this much and still take one round
-LOSS_BOUND = 2.0 ** 20
 JOIN_WAIT_S = 60.0  # how long a new worker retries a coordinator that refuses connections (not up yet)
 
 
@@ -137,7 +135,8 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
             self.emu = NodeEmulation(sc, self.node, float(emu["anchor"]), float(emu["scale"]))
             self.scale = self.emu.scale
         self.reducer = SlotReducer(self.layout, sc.slot_count, self.device, self.waiter,
-                                   collective=self._emulated_collective if self.emu else None)
+                                   collective=self._emulated_collective if self.emu else None,
+                                   fmt=reduction_format(sc))
 
     # ------------------------------------------------------------------------- control threads
 
@@ -348,21 +347,19 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
                         "sha256": weights_sha256(self.model)})
 
     def _bounds(self) -> list[float] | None:
-        """A priori bounds on this step's slot values, per segment, from the replicated AdamW
-        state (identical on every worker, restored by a checkpoint, sent to a spare): 256 x the
-        largest |first moment| of each tensor, and 2^20 for the loss. None before the first
-        update. Values beyond them only cost the step a second round (reduction.py)."""
+        """A priori bounds on this step's slot values, per segment of the reducer's layout (a
+        tensor, or a block of one), from the replicated AdamW state (identical on every worker,
+        restored by a checkpoint, sent to a spare): 256 x the largest |first moment| there,
+        and 2^20 for the loss (reduction.moment_bounds). None before the first update. Values
+        beyond them only cost the step a second round (reduction.py)."""
         state = self.optimizer.state
-        if not state:
-            return None
-        out = []
+        moments = []
         for p in self.params:
             st = state.get(p)
             if not st or "exp_avg" not in st:
                 return None
-            out.append(float(st["exp_avg"].abs().max()) * BOUND_HEADROOM)
-        out.append(LOSS_BOUND)
-        return out
+            moments.append(st["exp_avg"])
+        return self.reducer.bounds(moment_bounds(moments))
 
     def _nonfinite(self, g: int, step: int, suspects: list[int], should_abort) -> None:
         """No non-finite value reaches the weights: report, wait for the coordinator's

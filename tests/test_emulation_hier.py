@@ -35,14 +35,17 @@ def test_plan_equals_a_plain_all_reduce(op):
         else:
             vecs = [torch.randn(length, generator=g) for _ in range(world)]
             want = torch.stack(vecs).max(dim=0).values
-        got = simulate(build_plan(regions, length), vecs, op)
-        for r in range(world):
-            assert torch.equal(got[r], want), (regions, length, r)
+        for exchange in (False, True) if trial % 3 == 0 else (False,):  # or one exchange (the exponents')
+            got = simulate(build_plan(regions, length, exchange), vecs, op)
+            for r in range(world):
+                assert torch.equal(got[r], want), (regions, length, r, exchange)
 
 
 def test_plan_shape():
     plan = build_plan([[0, 1, 2], [3, 4]], 12)
     assert [s.phase for s in plan] == ["intra-reduce"] * 2 + ["inter-reduce", "inter-gather"] + ["intra-gather"] * 2
+    exchange = build_plan([[0, 1, 2], [3, 4], [5]], 12, exchange=True)
+    assert [s.phase for s in exchange] == ["intra-reduce"] * 2 + ["inter-exchange"] + ["intra-gather"] * 2
     # the first step: ring inside each region at once (region b has 2 members: one step only)
     assert {(m.src, m.dst) for m in plan[0].msgs} == {(0, 1), (1, 2), (2, 0), (3, 4), (4, 3)}
     assert {(m.src, m.dst) for m in plan[1].msgs} == {(0, 1), (1, 2), (2, 0)}

@@ -37,7 +37,8 @@ LOCAL = ROOT / "scenarios" / "local-8.toml"
 #   a sync checkpoint: 6 GB over 3 holders at 1 GB/s = 2.0 s
 TINY = {
     "run": {"name": "tiny", "seed": 3, "steps": 12},
-    "workload": {"step_compute_s": 1.0, "compute_jitter": 0.0, "gradient_bytes": 1_000_000_000, "slots": 3},
+    "workload": {"step_compute_s": 1.0, "compute_jitter": 0.0, "params": 500_000_000, "slots": 3},
+    "reduction": {"format": "native"},  # one plain all-reduce of 1 GB (bf16): the hand calculation above
     "checkpoint": {"interval_steps": 5, "mode": "sync", "weights_bytes": 3_000_000_000,
                    "optimizer_bytes": 3_000_000_000, "write_gbyte_s": 1.0, "read_gbyte_s": 2.0},
     "regions": [{"name": "a", "nodes": 2, "intra_gbit_s": 80.0, "intra_latency_ms": 1.0},
@@ -140,13 +141,16 @@ def test_routing_takes_the_faster_detour():
 def test_spike_on_a_region_delays_each_inter_region_crossing_of_the_chain():
     """A ring all-reduce does not wait for a phase to end everywhere: a spike on a region's
     links delays the chain of dependent messages each time it leaves that region (twice in the
-    six inter-region steps of four regions), not every phase of the collective."""
-    topo = Topology(load(MULTIREGION))
-    active = {"us-east": 14, "us-west": 12, "eu-west": 12, "ap-southeast": 6}
-    assert topo.spike_delay_s("ap-southeast", 0.25, active) == pytest.approx(2 * 0.25)
-    assert topo.spike_delay_s("ap-southeast", 0.25, {"us-east": 14}) == 0.0
-    node = topo.spike_delay_s("us-east/2", 0.25, active)
-    assert 0.25 <= node <= 4 * 0.25
+    six inter-region steps of four regions), not every phase of the collective; once per
+    all-reduce of the step (keel.wire.rounds: two for a block format, one for int64)."""
+    for fmt, rounds in (("int64", 1), ("block32", 2)):
+        topo = Topology(load(MULTIREGION, [f"reduction.format={fmt}"]))
+        active = {"us-east": 14, "us-west": 12, "eu-west": 12, "ap-southeast": 6}
+        region = topo.spike_delay_s("ap-southeast", 0.25, active)  # two crossings per all-reduce at most
+        assert region == pytest.approx(2 * 0.25) if rounds == 1 else 2 * 0.25 < region <= rounds * 2 * 0.25
+        assert topo.spike_delay_s("ap-southeast", 0.25, {"us-east": 14}) == 0.0
+        node = topo.spike_delay_s("us-east/2", 0.25, active)
+        assert rounds * 0.25 <= node <= rounds * 4 * 0.25
 
 
 # ----------------------------------------------------------------------------- step model

@@ -72,9 +72,7 @@ class StepCost:
             def is_member(name: str) -> bool:
                 return name in member_names
         red = self.topology.reduction(per_region)
-        ref = self.reference_reduction
-        lat_scale = p.reduce_latency_s / ref.latency_s if ref.latency_s > 0 else 1.0
-        byte_scale = (1.0 / (ref.s_per_byte * 1e9)) / p.reduce_gbyte_s if ref.s_per_byte > 0 else 1.0
+        lat_scale, byte_scale = self._reduction_scales()
         # each region's slowest node starts the reduction's chains from its region: a group's
         # offset is its region's chain (Topology.chains_s), scaled as the calibration scales
         # the reduction
@@ -87,6 +85,20 @@ class StepCost:
                     spike = max(spike, self.spike_delay(sp, per_region))
         return StepShape(tuple(sorted((n, base, offset.get(region, 0.0)) for (region, base), n in groups.items())),
                          p.compute_jitter, p.step_overhead_s + spike, red.latency_s * lat_scale, red.jitter_s)
+
+    def _reduction_scales(self) -> tuple[float, float]:
+        """How the calibration scales the topology's reduction: its latency part, its bytes part."""
+        p, ref = self.params, self.reference_reduction
+        lat_scale = p.reduce_latency_s / ref.latency_s if ref.latency_s > 0 else 1.0
+        byte_scale = (1.0 / (ref.s_per_byte * 1e9)) / p.reduce_gbyte_s if ref.s_per_byte > 0 else 1.0
+        return lat_scale, byte_scale
+
+    def nonfinite_saving_s(self) -> float:
+        """What a non-finite step does not spend of a step: the all-reduces after the one that
+        carries the flag (Topology.nonfinite_skip_s), scaled as the calibration scales them."""
+        latency, nbytes = self.topology.nonfinite_skip_s(dict(self.cluster.holders_per_region))
+        lat_scale, byte_scale = self._reduction_scales()
+        return latency * lat_scale + nbytes * byte_scale
 
     def spike_delay(self, spike: Spike, per_region: dict[str, int], step: int | None = None) -> float:
         """A spike's delay to one step's collective (Topology.spike_delay_s): at its mean, or,

@@ -410,6 +410,8 @@ class Simulation(CoordinatorLossMixin):
             durations[0] = max(self.carry_s, 0.0)
             self.carry_s = None
         nan = bool(self.nan_pending)
+        if nan:  # the last step stops at the flag's all-reduce (keel.wire.flag_rounds)
+            durations[-1] = max(0.0, durations[-1] - self.cost.nonfinite_saving_s())
         cum = np.cumsum(durations)
         seg = Segment(self.env.now, self.committed, cum, nan)
         self.segment = seg

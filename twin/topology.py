@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import networkx as nx
 
-from keel import hardware
+from keel import hardware, wire
 from keel.scenario import Scenario, is_node, region_of
 
 GBIT = hardware.GBIT
@@ -104,9 +104,10 @@ class Topology:
     def _reduction(self, active: dict[str, int]) -> ReductionCost:
         if sum(active.values()) <= 1:
             return NO_REDUCTION
-        nbytes = max(1.0, float(self.scenario.workload.gradient_bytes))
-        latency = self.collective_s(active, 0.0)
-        per_byte = max(0.0, self.collective_s(active, nbytes) - latency) / nbytes
+        rounds = wire.scenario_rounds(self.scenario)  # the step's all-reduces, each paying its latency
+        nbytes = max(1.0, float(sum(b for b, _ in rounds)))
+        latency = self.collective_s(active, [(0.0, x) for _, x in rounds])
+        per_byte = max(0.0, self.collective_s(active, rounds) - latency) / nbytes
         regions = list(active)
         jitter = 0.0
         if len(regions) > 1:
@@ -116,7 +117,7 @@ class Topology:
             jitter = math.sqrt(phases) * max(self.route(a, b)[2] for a, b in edges)
         return ReductionCost(latency, per_byte, jitter)
 
-    def collective_s(self, active: dict[str, int], nbytes: float, spike: tuple[str, float] | None = None) -> float:
+    def collective_s(self, active: dict[str, int], nbytes: float | Sequence[tuple[float, bool]], spike: tuple[str, float] | None = None) -> float:
         """Seconds of one hierarchical all-reduce of `nbytes` over `active` (region -> nodes),
         every node starting together, with a latency spike `(target, seconds)` on the
         messages a node sends (target `region/i`) or a region's nodes send to other regions
@@ -137,14 +138,18 @@ class Topology:
         chains = self.chains_s(active, nbytes, spike)
         return max(chains.values(), default=0.0)
 
-    def chains_s(self, active: dict[str, int], nbytes: float,
+    def chains_s(self, active: dict[str, int], nbytes: float | Sequence[tuple[float, bool]],
                  spike: tuple[str, float] | None = None) -> dict[str, float]:
         """Per active region r: the longest chain of `collective_s` that starts in r, i.e. the
         collective's end if r's nodes start at 0 and every other region's are already there
         (-inf). The collective is max-plus linear in its start times, so a step whose regions
         start their reduction at their own slowest node's end t_r ends at max_r(t_r + chain_r):
         the twin's step model (twin/cost.py) takes each region's compute with its own chain.
-        Empty where at most one node is active."""
+        Empty where at most one node is active. A sequence of (bytes, exchange) is a step's
+        all-reduces one after the other (keel.wire.scenario_rounds): a region starts the next
+        when it has the last; an exchange crosses regions once, every region sending its bytes
+        to every other at once over the routed path (links shared by the pairs routed on them)."""
+        rounds = [(float(nbytes), False)] if isinstance(nbytes, (int, float)) else list(nbytes)
         shape = {r: n for r, n in active.items() if n > 0}
         if sum(shape.values()) <= 1:
             return {}
@@ -156,7 +161,7 @@ class Topology:
             else:
                 region_spike = (target, seconds)
 
-        def intra(r: str) -> float:
+        def intra(r: str, nbytes: float) -> float:
             n = shape[r]
             if n <= 1:
                 return 0.0
@@ -171,35 +176,63 @@ class Topology:
         for a, b in (edges[:1] if R == 2 else edges):
             for link in self.route(a, b)[1]:
                 uses[link] = uses.get(link, 0) + 1
-        cost = {}  # what region a's piece takes to reach the next region
+        fixed, per_byte = {}, {}  # what region a's piece takes to reach the next region
         for a, b in edges:
             links = self.route(a, b)[1]
             bandwidth = min([self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] / uses[l] for l in links]
                             + [shape[x] * self._regions[x].intra_gbit_s * GBIT for x in (a, b)])
             extra = max((sp[1] for sp in (node_spike, region_spike) if sp is not None and sp[0] == a), default=0.0)
-            cost[a] = hardware.message_latency_s(self.scenario, a, b) + nbytes / R / bandwidth + extra
+            fixed[a], per_byte[a] = hardware.message_latency_s(self.scenario, a, b) + extra, 1.0 / R / bandwidth
         nxt = dict(edges)
+        pairs = [(a, b) for a in ring for b in ring if a != b]
+        flows: dict[frozenset, int] = {}
+        for a, b in pairs:
+            for link in self.route(a, b)[1]:
+                flows[link] = flows.get(link, 0) + 1
+        x_fixed, x_per_byte = {}, {}  # an exchange: a's bytes to b
+        for a, b in pairs:
+            bandwidth = min([self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] / flows[l] for l in self.route(a, b)[1]]
+                            + [shape[x] * self._regions[x].intra_gbit_s * GBIT / (R - 1) for x in (a, b)])
+            extra = max((sp[1] for sp in (node_spike, region_spike) if sp is not None and sp[0] == a), default=0.0)
+            x_fixed[a, b], x_per_byte[a, b] = hardware.message_latency_s(self.scenario, a, b) + extra, 1.0 / bandwidth
 
         def chain(start: str) -> float:
-            clock = {r: intra(r) if r == start else -math.inf for r in shape}
-            for _ in range(2 * (R - 1)):
-                sent = dict(clock)
-                for a in ring:
-                    clock[nxt[a]] = max(clock[nxt[a]], sent[a] + cost[a])
-            return max(clock[r] + intra(r) for r in shape if clock[r] > -math.inf)
+            end = {r: 0.0 if r == start else -math.inf for r in shape}
+            for nbytes, exchange in rounds:
+                clock = {r: end[r] + intra(r, nbytes) for r in shape}
+                if exchange:
+                    sent = dict(clock)
+                    for a, b in pairs:
+                        clock[b] = max(clock[b], sent[a] + x_fixed[a, b] + nbytes * x_per_byte[a, b])
+                for _ in range(2 * (R - 1) if not exchange else 0):
+                    sent = dict(clock)
+                    for a in ring:
+                        clock[nxt[a]] = max(clock[nxt[a]], sent[a] + fixed[a] + nbytes * per_byte[a])
+                end = {r: clock[r] + intra(r, nbytes) for r in shape}
+            return max(t for t in end.values() if t > -math.inf)
         return {start: chain(start) for start in shape}
 
     def reduction_chains(self, active_per_region: dict[str, int]) -> dict[str, tuple[float, float]]:
         """Per active region: (its chain's latency part, its chain with the scenario's gradient
-        bytes) in seconds (`chains_s` at 0 bytes and at workload.gradient_bytes), cached per
+        bytes) in seconds (`chains_s` at 0 bytes and at the bytes keel.wire gives), cached per
         membership shape."""
         shape = tuple((r, n) for r in self.region_names if (n := active_per_region.get(r, 0)) > 0)
         got = self._chain_cache.get(shape)
         if got is None:
-            nbytes = float(self.scenario.workload.gradient_bytes)
-            zero, full = self.chains_s(dict(shape), 0.0), self.chains_s(dict(shape), nbytes)
+            rounds = wire.scenario_rounds(self.scenario)
+            zero, full = self.chains_s(dict(shape), [(0.0, x) for _, x in rounds]), self.chains_s(dict(shape), rounds)
             got = self._chain_cache[shape] = {r: (zero[r], full[r]) for r in full}
         return got
+
+    def nonfinite_skip_s(self, active_per_region: dict[str, int]) -> tuple[float, float]:
+        """(latency, bytes) parts of the all-reduces a non-finite step does not run
+        (keel.wire.flag_rounds: those after the flag's), in seconds."""
+        rounds = wire.scenario_rounds(self.scenario)
+        k = wire.flag_rounds(self.scenario.reduction.format, self.scenario.slot_count)
+        zero = [(0.0, x) for _, x in rounds]
+        latency = self.collective_s(active_per_region, zero) - self.collective_s(active_per_region, zero[:k])
+        total = self.collective_s(active_per_region, rounds) - self.collective_s(active_per_region, rounds[:k])
+        return max(0.0, latency), max(0.0, total - latency)
 
     # -- latency spikes
     def spike_delay_s(self, target: str, spike_s: float, active_per_region: dict[str, int]) -> float:
@@ -208,13 +241,13 @@ class Topology:
         region = region_of(target)
         if active_per_region.get(region, 0) == 0 or spike_s <= 0:
             return 0.0
-        nbytes = float(self.scenario.workload.gradient_bytes)
         key = (tuple(sorted((r, n) for r, n in active_per_region.items() if n > 0)), target, round(spike_s, 9))
         got = self._spike_cache.get(key)
-        if got is None:
+        if got is None:  # the spike strikes each all-reduce of the step (keel.wire)
+            rounds = wire.scenario_rounds(self.scenario)
             got = self._spike_cache[key] = max(
-                0.0, self.collective_s(active_per_region, nbytes, (target, spike_s))
-                - self.collective_s(active_per_region, nbytes))
+                0.0, self.collective_s(active_per_region, rounds, (target, spike_s))
+                - self.collective_s(active_per_region, rounds))
         return got
 
     # -- moving state between nodes

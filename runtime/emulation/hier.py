@@ -65,8 +65,11 @@ def _chunks(length: int, n: int) -> list[tuple[int, int]]:
     return [(k * length // n, (k + 1) * length // n) for k in range(n)]
 
 
-def build_plan(regions: Sequence[Sequence[int]], length: int) -> tuple[Step, ...]:
-    """The plan for ranks grouped by region (regions in ring order) and a vector of `length`."""
+def build_plan(regions: Sequence[Sequence[int]], length: int, exchange: bool = False) -> tuple[Step, ...]:
+    """The plan for ranks grouped by region (regions in ring order) and a vector of `length`.
+    `exchange`: across regions one step instead of the ring's 2 (R - 1): every owner sends its
+    chunk to the overlapping owners of every other region at once (R - 1 times the bytes, one
+    crossing's latency: for the block formats' small vector of exponents, reduction.py)."""
     regions = [list(r) for r in regions if r]
     raw: list[tuple[str, str, list[Msg]]] = []
 
@@ -95,18 +98,21 @@ def build_plan(regions: Sequence[Sequence[int]], length: int) -> tuple[Step, ...
         owned = [[(members[i], ch[(i + 1) % len(members)]) for i in range(len(members))]
                  for members, ch in zip(regions, chunks)]
 
-        def across(a: int, k: int) -> list[Msg]:
-            b = (a + 1) % R
-            lo_k, hi_k = parts[k]
+        def across(a: int, k: int, b: int | None = None) -> list[Msg]:
+            b = (a + 1) % R if b is None else b
+            lo_k, hi_k = parts[k] if k >= 0 else (0, length)
             out = []
             for src, (lo_i, hi_i) in owned[a]:
                 for dst, (lo_j, hi_j) in owned[b]:
                     out += msg(src, dst, max(lo_k, lo_i, lo_j), min(hi_k, hi_i, hi_j))
             return out
 
-        for s in range(R - 1):
+        if exchange:
+            raw.append(("inter-exchange", "reduce", [m for a in range(R) for b in range(R) if b != a
+                                                     for m in across(a, -1, b)]))
+        for s in range(R - 1 if not exchange else 0):
             raw.append(("inter-reduce", "reduce", [m for a in range(R) for m in across(a, (a - s) % R)]))
-        for s in range(R - 1):
+        for s in range(R - 1 if not exchange else 0):
             raw.append(("inter-gather", "copy", [m for a in range(R) for m in across(a, (a + 1 - s) % R)]))
 
     intra_rings("intra-gather", "copy", 1)
@@ -116,9 +122,9 @@ def build_plan(regions: Sequence[Sequence[int]], length: int) -> tuple[Step, ...
 
 
 @functools.lru_cache(maxsize=64)
-def plan_for(regions: tuple[tuple[int, ...], ...], length: int) -> tuple[Step, ...]:
+def plan_for(regions: tuple[tuple[int, ...], ...], length: int, exchange: bool = False) -> tuple[Step, ...]:
     """`build_plan`, cached (a generation reuses two or three plans every step)."""
-    return build_plan(regions, length)
+    return build_plan(regions, length, exchange)
 
 
 def _combine(dst: torch.Tensor, payload: torch.Tensor, combine: str, op: str) -> None:

@@ -29,22 +29,39 @@ class EmulatedNodeMixin:
         """Emulated: gloo connects a pair lazily, on its first message; the reduction's pairs are
         connected here, with the group (real formation work), instead of inside the first step."""
         from runtime.emulation import hier
-        for k, (length, dtype) in enumerate([(self.layout.total + 2, torch.int64), (self.layout.segments + 1, torch.float32)]):
-            hier.run_plan(pg, rank, hier.plan_for(self._ring_ranks(), length), torch.zeros(length, dtype=dtype),
+        r = self.reducer
+        vectors = [(n, r.dtype if op == "sum" else torch.uint8) for op, n, _ in r.wire_rounds()]
+        if r.block is None:
+            vectors.append((r.layout.segments + 1, torch.float32))  # the int64 format's fallback maxima
+        for k, (length, dtype) in enumerate(vectors):
+            plan = hier.plan_for(self._ring_ranks(), length, dtype == torch.uint8)
+            hier.run_plan(pg, rank, plan, torch.zeros(length, dtype=dtype),
                           "sum", 0.0, lambda step, msg, t: 0.0, should_abort, self.waiter, tag_base=(8 + k) * 4096)
 
     def _emulated_collective(self, pg, t: torch.Tensor, op: str, should_abort) -> torch.Tensor:
         """One all-reduce of the emulated cluster: the hierarchical plan over this generation's
-        regions (keel.hardware.ring_members), every message priced by the link emulator. A
-        gradient element stands for workload.gradient_bytes / its vector's length; the short
-        maxima of a two-round step for their own 4 bytes."""
+        regions (keel.hardware.ring_members; the block formats' exponents in one exchange across
+        regions, keel.wire.scenario_rounds), every message priced by the link emulator at the
+        bytes it really carries, scaled from the small model to the scenario's (`wire_scale`)."""
         from runtime.emulation import hier
         emu = self.emu
         pricer = emu.pricer
-        pricer.bytes_per_element = (self.scenario.workload.gradient_bytes / self.layout.total if op == "sum"
-                                    else float(t.element_size()))
+        pricer.bytes_per_element = t.element_size() * wire_scale(self.scenario, self.reducer, op, t.numel())
         pricer.key = f"g{self.gen}/s{self.committed}/r{self._round}"
-        emu.c = hier.run_plan(pg, self.rank, hier.plan_for(self._ring_ranks(), t.numel()), t, op, emu.c, pricer,
+        plan = hier.plan_for(self._ring_ranks(), t.numel(), t.dtype == torch.uint8)  # exponents: keel.wire
+        emu.c = hier.run_plan(pg, self.rank, plan, t, op, emu.c, pricer,
                               should_abort, self.waiter, tag_base=(self._round % 8) * 4096)
         self._round += 1
         return t
+
+
+def wire_scale(scenario, reducer, op: str, elements: int) -> float:
+    """Elements of the scenario's model one element of this message's vector (`elements` long,
+    all-reduced with `op`) stands for: keel.wire's round of the same op for the scenario's
+    parameters over the small model's (a vector no round of the rule has, the int64 format's
+    fallback maxima, stands for itself), so a common step is priced at keel.wire.scenario_bytes."""
+    from keel import wire
+    w = scenario.workload
+    big = {o: n for o, n, _ in wire.rounds(w.params, reducer.fmt, w.gradient_dtype, scenario.slot_count)}
+    small = {o: n for o, n, _ in reducer.wire_rounds()}
+    return big[op] / small[op] if small.get(op) == elements else 1.0
