@@ -192,7 +192,11 @@ def test_the_straggler_window_parks_after_as_many_slow_steps_on_both_sides(windo
     fills `window` slow steps from the first slow one."""
     from keel import recovery as R
     from runtime.coordinator.stragglers import StragglerWatch
-    sc = loads((REPO / "scenarios/local-8.toml").read_text(), overrides=[f"policy.straggler_window={window}"])
+    base = loads((REPO / "scenarios/local-8.toml").read_text())
+    k = next(i for i, e in enumerate(base.faults.schedule) if e.class_ == "network_jitter")
+    # a spike that outlasts the widest window (each of a step's collectives pays it)
+    sc = loads((REPO / "scenarios/local-8.toml").read_text(),
+               overrides=[f"policy.straggler_window={window}", f"faults.schedule.{k}.duration_s=10.0"])
     spike = [e for e in twin.simulate(sc).events if e.fault == "network_jitter"]
     detect = next(e.step for e in spike if e.kind == "detect")
     moved = next(e.step for e in spike if e.kind == "recover_start")
