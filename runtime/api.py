@@ -59,6 +59,15 @@ def check_runnable(scenario: Scenario, steps: int | None = None) -> None:
     check_job(scenario)  # the job's contract (runtime/job_check.py), in this process: nothing is written
 
 
+def job_dir_of(scenario: Scenario) -> str | None:
+    """Where the workers find a file entry of the scenario's job: its directory, absolute
+    (the workers may start in another directory); None for the built-in job."""
+    if not scenario.job.entry:
+        return None
+    from runtime.job_run import scenario_dir
+    return str(scenario_dir(scenario))
+
+
 def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None = None,
                  resume: str | Path | None = None, no_faults: bool = False,
                  allow_config_change: bool = False, progress: bool = True,
@@ -88,7 +97,10 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
     out = Path(out_dir)
     options = {"resume": str(resume) if resume is not None else None, "allow_config_change": allow_config_change,
                "progress": progress, "hangs": hangs, "device": device or os.environ.get("KEEL_DEVICE", "cpu"),
-               "backend": backend or os.environ.get("KEEL_BACKEND", "gloo")}
+               "backend": backend or os.environ.get("KEEL_BACKEND", "gloo"), "job_dir": job_dir_of(scenario)}
+    if scenario.job.entry:  # the fork server imports the job's libraries once, for every worker it forks
+        from runtime.coordinator.procs import preload_job
+        preload_job(scenario.job.entry, options["job_dir"])
     supervisor = Supervisor(scenario, out, listen=listen, spawn=spawn, options=options)  # locks `out`
     try:
         summary = supervisor.run()

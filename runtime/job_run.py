@@ -39,24 +39,39 @@ class JobSpec:
     builtin: bool
 
 
+def _entry_file(target: str, base: Path) -> Path | None:
+    """The file of a 'path/to/file.py' entry (relative to `base`), None for a module entry."""
+    if not (target.endswith(".py") or "/" in target):
+        return None
+    path = Path(target)
+    return path if path.is_absolute() else base / path
+
+
+def _exec_file(path: Path, name: str, keep: bool) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if not keep:
+            del sys.modules[name]
+    return module
+
+
 def _import_entry(entry: str, base: Path) -> Any:
     target, _, attr = entry.rpartition(":")
-    if target.endswith(".py") or "/" in target:
-        path = Path(target)
-        if not path.is_absolute():
-            path = base / path
+    path = _entry_file(target, base)
+    if path is not None:
         if not path.is_file():
             raise FileNotFoundError(f"no file {path}")
         name = "keel_job_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
         module = sys.modules.get(name)
         if module is None:
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
             try:
-                spec.loader.exec_module(module)
+                module = _exec_file(path, name, keep=True)
             except BaseException:
-                del sys.modules[name]
+                sys.modules.pop(name, None)
                 raise
     else:
         module = importlib.import_module(target)
@@ -65,20 +80,34 @@ def _import_entry(entry: str, base: Path) -> Any:
     return getattr(module, attr)
 
 
+def warm_import(entry: str, base: str | Path) -> None:
+    """Import what the job's module imports (its libraries), for the fork server to preload:
+    a file entry runs under a throwaway name, not kept, so each worker still runs the job's
+    file as it is on disk."""
+    target = entry.rpartition(":")[0]
+    path = _entry_file(target, Path(base))
+    if path is None:
+        importlib.import_module(target)
+    elif path.is_file():
+        _exec_file(path, "keel_job_preload", keep=False)
+
+
 def scenario_dir(scenario) -> Path:
+    """Where a file entry is found: the scenario file's directory (absolute), else this directory."""
     source = Path(scenario.source)
-    return source.parent if source.suffix == ".toml" else Path.cwd()
+    return (source.parent if source.suffix == ".toml" else Path.cwd()).resolve()
 
 
-def load_spec(scenario, data_root: str | None = None) -> JobSpec:
-    """The scenario's job: `[job].entry`'s factory called, or the built-in GPT. JobError, with
-    the factory's own message, when the entry is missing or its factory raises."""
+def load_spec(scenario, data_root: str | None = None, job_dir: str | None = None) -> JobSpec:
+    """The scenario's job: `[job].entry`'s factory called (a file entry found in `job_dir`,
+    default the scenario's directory), or the built-in GPT. JobError, with the factory's own
+    message, when the entry is missing or its factory raises."""
     from runtime import job_gpt
     if not scenario.job.entry:
         return JobSpec("builtin GPT (runtime.job_gpt)", job_gpt.job(), job_gpt.config_of(scenario, data_root), True)
     entry = scenario.job.entry
     try:
-        factory = _import_entry(entry, scenario_dir(scenario))
+        factory = _import_entry(entry, Path(job_dir) if job_dir else scenario_dir(scenario))
     except Exception as e:
         raise JobError(entry, "the entry must import", f"{type(e).__name__}: {e}; check [job] entry "
                        f"('package.module:factory', or 'file.py:factory' relative to the scenario)") from None

@@ -116,7 +116,7 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
 
         from runtime.job_run import BoundJob, load_spec
         sc = self.scenario
-        self.job = BoundJob(load_spec(sc, welcome.get("data_root")), sc, self.device)
+        self.job = BoundJob(load_spec(sc, welcome.get("data_root"), welcome.get("job_dir")), sc, self.device)
         self.loader, self.model, self.optimizer, self.params = self.job.loader, self.job.model, self.job.optimizer, self.job.params
         self.layout = Layout(self.job.sizes + (1,))
         self.waiter = Waiter()

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from runtime.job import Job, TokenFile, write_token_file
 
@@ -43,7 +44,6 @@ def dataset(config):
 
 
 def model(seed: int, config) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
                       intermediate_size=config["intermediate_size"], num_hidden_layers=config["layers"],
                       num_attention_heads=config["heads"], num_key_value_heads=config["kv_heads"],

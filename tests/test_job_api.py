@@ -1,0 +1,167 @@
+"""The job API (runtime/job.py, issue 26): a scenario's `[job]`, the built-in GPT through it,
+the token-file dataset, and the contract: one test per rule, each a `keel run` that exits 2
+with one line naming the job and the rule, and writes nothing a `--resume` could take for
+progress (the run directory is not even created)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from keel.cli import main as keel_main
+from keel.errors import InputError
+from keel.scenario import loads
+from runtime_helpers import scenario_text
+
+pytestmark = pytest.mark.timeout(120)
+
+JOBS = Path(__file__).resolve().parent / "job_contract_jobs.py"
+
+
+def job_scenario(factory: str, config: str = "") -> str:
+    return scenario_text(steps=4, slots=4) + f'\n[job]\nentry = "{JOBS}:{factory}"\n' + (
+        f"[job.config]\n{config}\n" if config else "")
+
+
+def run_job(tmp_path: Path, factory: str, capsys) -> tuple[int, str]:
+    path = tmp_path / f"{factory}.toml"
+    path.write_text(job_scenario(factory))
+    out = tmp_path / "run"
+    rc = keel_main(["run", str(path), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert not out.exists(), f"{out} was created"
+    return rc, err
+
+
+RULES = [
+    ("missing", "the entry must import", "has no attribute 'missing'"),
+    ("factory_raises", "the factory must return a Job", "RuntimeError: no GPU quota left in this project"),
+    ("not_a_job", "the factory must return a Job", "it returned dict"),
+    ("model_raises", "the model builder must succeed", "ValueError: hidden_size must be divisible by heads"),
+    ("iterable_dataset", "the dataset must be map-style", "cannot re-split by slot"),
+    ("stateful_loader", "the dataset must be map-style", "it is a DataLoader"),
+    ("too_small", "every shard must hold a sample", "3 samples are fewer than data.shards (16)"),
+    ("integer_parameter", "parameters must be floating tensors", "parameter counter is torch.int64"),
+    ("batch_of_strings", "a batch must be a tensor or a dict/tuple of tensors", "a list of str"),
+    ("vector_loss", "the loss must be a scalar tensor", "of shape (2,)"),
+    ("batchnorm", "the forward pass must not write buffers", "buffer 1.running_mean changed"),
+    ("unseeded_model", "the weights must be a function of (seed, config)", "two builds with the same seed differ"),
+    ("global_rng_loss", "the per-slot computation must be bitwise reproducible", "slot 0 of step 0 computed twice"),
+]
+
+
+@pytest.mark.parametrize("factory,rule,detail", RULES, ids=[r[0] for r in RULES])
+def test_a_job_that_breaks_a_rule_exits_2_with_one_line(tmp_path, capsys, factory, rule, detail):
+    rc, err = run_job(tmp_path, factory, capsys)
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"keel: job {JOBS}:{factory}: {rule}: "), err
+    assert detail in err, err
+
+
+def test_a_missing_entry_file_is_named(tmp_path, capsys):
+    path = tmp_path / "s.toml"
+    path.write_text(scenario_text(steps=4) + '\n[job]\nentry = "nowhere/job.py:job"\n')
+    assert keel_main(["run", str(path), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "job nowhere/job.py:job: the entry must import: FileNotFoundError: no file " + str(tmp_path / "nowhere") in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("factory", ["good", "batchnorm_discarded", "generator_loss"])
+def test_jobs_that_keep_the_contract_pass_it(factory):
+    from runtime.job_check import check_job
+    assert check_job(loads(job_scenario(factory), "<test>")) == f"{JOBS}:{factory}"
+
+
+def test_discarded_buffers_stay_as_built():
+    from runtime.job_run import BoundJob, load_spec
+    sc = loads(job_scenario("batchnorm_discarded"), "<test>")
+    bound = BoundJob(load_spec(sc), sc)
+    before = {n: t.clone() for n, t in bound.buffers().items()}
+    bound.slot_vector(0, 1)
+    assert all(torch.equal(before[n], t) for n, t in bound.buffers().items())
+
+
+# ----------------------------------------------------------------------------- the scenario's [job]
+
+def test_job_table_enters_the_config_hash_and_only_when_present():
+    base = loads(scenario_text(), "<t>")
+    assert "job" not in base.to_dict()  # a scenario without [job] hashes as before the table existed
+    a = loads(job_scenario("good", "samples = 256"), "<t>")
+    b = loads(job_scenario("good", "samples = 128"), "<t>")
+    c = loads(job_scenario("batchnorm"), "<t>")
+    assert len({base.config_hash(), a.config_hash(), b.config_hash(), c.config_hash()}) == 4
+    assert a.job.config == {"samples": 256}
+    from keel.scenario import dumps
+    assert loads(dumps(a), "<t>").config_hash() == a.config_hash()
+
+
+@pytest.mark.parametrize("entry", ["job.py", "job.py:", ":job", "job.py:2x"])
+def test_a_malformed_entry_is_refused_by_the_scenario(entry):
+    with pytest.raises(InputError, match="key 'job.entry': expected 'package.module:factory'"):
+        loads(scenario_text() + f'\n[job]\nentry = "{entry}"\n', "<t>")
+
+
+def test_job_config_must_be_a_table():
+    with pytest.raises(InputError, match="key 'job.config': expected a table"):
+        loads(scenario_text() + '\n[job]\nentry = "m:f"\nconfig = 3\n', "<t>")
+
+
+# ----------------------------------------------------------------------------- the built-in job
+
+def test_the_builtin_gpt_is_a_job_whose_samples_are_the_loaders():
+    """Sample for sample, the built-in job's batches are runtime.data.Loader's."""
+    from runtime.data import Loader
+    from runtime.job_run import BoundJob, load_spec
+    sc = loads(scenario_text(), "<t>")
+    bound = BoundJob(load_spec(sc), sc)
+    ds = bound.dataset.loader.dataset
+    ref = Loader(ds, sc.run.seed, sc.model.context, sc.workload.micro_batch)
+    for step, slot in [(0, 0), (7, 3)]:
+        a, b = bound.loader.batch(step, slot, {2}), ref.batch(step, slot, {2})
+        assert torch.equal(a.data[0], b.x) and torch.equal(a.data[1], b.y) and a.shards == b.shards
+    assert bound.loader.state(5, {2}) == ref.state(5, {2})
+
+
+def test_no_builder_of_the_builtin_job_is_called_outside_its_module():
+    repo = Path(__file__).resolve().parents[1]
+    allowed = {"runtime/job_gpt.py", "runtime/model.py", "runtime/data.py"}
+    for path in sorted((repo / "runtime").rglob("*.py")) + sorted((repo / "keel").rglob("*.py")):
+        rel = path.relative_to(repo).as_posix()
+        if rel in allowed:
+            continue
+        text = path.read_text()
+        for name in ("build_model", "build_optimizer", "ensure_dataset", "slot_loss"):
+            assert not re.search(rf"(?<![\w.])(?<!def ){name}\(", text), f"{rel} calls {name}"
+
+
+# ----------------------------------------------------------------------------- the token file
+
+def test_token_file_samples_versions_and_dtypes(tmp_path):
+    from runtime.job import TokenFile, write_token_file
+    ids = np.arange(1000) % 700
+    p16 = write_token_file(tmp_path / "t16.bin", ids, "uint16")
+    p32 = write_token_file(tmp_path / "t32.bin", ids + 70_000, "uint32")
+    a = TokenFile(p16, context=10)
+    assert len(a) == 99 and p16.stat().st_size == 2000
+    s = a[3]
+    assert s["input_ids"].tolist() == list(range(30, 40)) and s["labels"].tolist() == list(range(31, 41))
+    assert s["input_ids"].dtype == torch.int64
+    b = TokenFile(p32, context=10, dtype="uint32")
+    assert b[0]["input_ids"][0].item() == 70_000
+    assert a.version != b.version and a.version == TokenFile(p16, context=5).version
+    with pytest.raises(IndexError):
+        a[99]
+    with pytest.raises(InputError, match="token dtype: expected one of uint16, uint32"):
+        TokenFile(p16, context=10, dtype="int8")
+
+
+def test_the_slot_generator_depends_on_seed_step_and_slot_only():
+    from runtime.job import slot_generator
+    draw = lambda *a: torch.rand(4, generator=slot_generator(*a)).tolist()  # noqa: E731
+    assert draw(1, 2, 3) == draw(1, 2, 3)
+    assert len({tuple(draw(*a)) for a in [(1, 2, 3), (2, 2, 3), (1, 3, 3), (1, 2, 4)]}) == 4

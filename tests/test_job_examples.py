@@ -1,0 +1,62 @@
+"""The examples of the job API (examples/, issue 26) under `keel run`, as a user runs them:
+faults absorbed with 0 restarts end bit-identical to the `--no-faults` run; a whole-job
+SIGKILL after a checkpoint, then `--resume`, ends bit-identical to the uninterrupted run (the
+transformers example: its LR scheduler travels in the checkpoint and to the hot spare)."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from runtime_helpers import REPO, keel, run_and_kill_after_checkpoint
+
+pytestmark = pytest.mark.timeout(300)
+
+LLAMA = REPO / "examples" / "tiny_llama" / "scenario.toml"
+RESNET = REPO / "examples" / "resnet_groupnorm" / "scenario.toml"
+CKPT = 8
+
+
+def keel_run(*args: str) -> dict:
+    out = subprocess.run(keel("run", *args, "--json"), capture_output=True, text=True, cwd=str(REPO), timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def assert_absorbed_bit_identical(faulty: dict, clean: dict, classes: list[str]) -> None:
+    assert faulty["restarts"] == 0 and clean["faults"] == []
+    assert [f["class"] for f in faulty["faults"]] == classes
+    assert all(f["action"] != "checkpoint_restart" for f in faulty["faults"])
+    assert faulty["losses"] == clean["losses"] and len(clean["losses"]) == 24
+    assert faulty["final_weights_sha256"] == clean["final_weights_sha256"]
+    assert clean["losses"][-1] < clean["losses"][0]  # it trains
+
+
+@pytest.fixture(scope="module")
+def llama_clean(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return keel_run(str(LLAMA), "--no-faults", "--out", str(tmp_path_factory.mktemp("llama") / "clean"))
+
+
+def test_transformers_example_absorbs_faults_bit_identical(tmp_path, llama_clean):
+    faulty = keel_run(str(LLAMA), "--out", str(tmp_path / "faulty"))
+    assert_absorbed_bit_identical(faulty, llama_clean, ["hardware_fault", "network_jitter"])
+
+
+def test_transformers_example_resumes_bit_identical_after_a_whole_job_kill(tmp_path, llama_clean):
+    first, second = tmp_path / "killed", tmp_path / "resumed"
+    run_and_kill_after_checkpoint(keel("run", str(LLAMA), "--out", str(first)), first, CKPT, timeout=200)
+    assert not (first / "summary.json").exists()
+    resumed = keel_run(str(LLAMA), "--out", str(second), "--resume", str(first))
+    assert resumed["start_step"] == CKPT and resumed["restarts"] == 0
+    assert resumed["losses"] == llama_clean["losses"][CKPT:]
+    assert resumed["final_weights_sha256"] == llama_clean["final_weights_sha256"]
+    meta = json.loads(next((first / "checkpoints").glob("step-*/optimizer_state.json")).read_text())
+    assert set(meta["extra"]) == {"scheduler"}  # the job's LambdaLR, saved with the optimizer
+
+
+def test_plain_pytorch_example_absorbs_faults_bit_identical(tmp_path):
+    clean = keel_run(str(RESNET), "--no-faults", "--out", str(tmp_path / "clean"))
+    faulty = keel_run(str(RESNET), "--out", str(tmp_path / "faulty"))
+    assert_absorbed_bit_identical(faulty, clean, ["hardware_fault", "network_jitter"])
