@@ -197,6 +197,12 @@ def _parse(path: Path, manifest: dict[str, Any], blobs: dict[str, bytes]) -> dic
             raise CheckpointError(f"{path / 'context.json'}: {key} is not a JSON object")
     if not (isinstance(context["config_hash"], str) and len(context["config_hash"]) == 64 and HEX.match(context["config_hash"])):
         raise CheckpointError(f"{path / 'context.json'}: config_hash is not 64 lowercase hex digits")
+    from runtime.job import API_VERSION
+    written = context["data_offset"].get("job_api", 1)  # before the job API: the built-in job, as version 1
+    if written != API_VERSION:
+        raise CheckpointError(f"{path / 'context.json'}: written under job API version {written!r}, this keel speaks "
+                              f"{API_VERSION} (its sampler, slot RNG or state layout differ: docs/job-api.md); "
+                              f"resume it with the keel that wrote it")
     return {"weights": weights, "optimizer_state": optimizer_state, "rng": rng, "context": context}
 
 

@@ -163,7 +163,7 @@ class SlotLoader:
         from runtime.data import LOADER_FORMAT, SAMPLER
         out = {"format": LOADER_FORMAT, "sampler": SAMPLER, "version": self.version, "seed": self.seed,
                "step": int(step), "quarantine": sorted(int(q) for q in quarantine),
-               "micro_batch": self.micro_batch, "shards": self.shards}
+               "micro_batch": self.micro_batch, "shards": self.shards, "job_api": API_VERSION}
         if hasattr(self.dataset, "context"):
             out["context"] = int(self.dataset.context)
         else:

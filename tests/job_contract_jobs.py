@@ -33,7 +33,7 @@ def model(seed, config) -> nn.Module:
 
 
 def optimizer(named_params, config):
-    return torch.optim.SGD([p for _, p in named_params], lr=0.1)
+    return torch.optim.SGD([p for _, p in named_params], lr=0.1, momentum=0.9)
 
 
 def loss(model, batch, generator):

@@ -124,7 +124,7 @@ def test_the_builtin_gpt_is_a_job_whose_samples_are_the_loaders():
     for step, slot in [(0, 0), (7, 3)]:
         a, b = bound.loader.batch(step, slot, {2}), ref.batch(step, slot, {2})
         assert torch.equal(a.data[0], b.x) and torch.equal(a.data[1], b.y) and a.shards == b.shards
-    assert bound.loader.state(5, {2}) == ref.state(5, {2})
+    assert bound.loader.state(5, {2}) == {**ref.state(5, {2}), "job_api": 1}
 
 
 def test_no_builder_of_the_builtin_job_is_called_outside_its_module():
@@ -165,3 +165,82 @@ def test_the_slot_generator_depends_on_seed_step_and_slot_only():
     draw = lambda *a: torch.rand(4, generator=slot_generator(*a)).tolist()  # noqa: E731
     assert draw(1, 2, 3) == draw(1, 2, 3)
     assert len({tuple(draw(*a)) for a in [(1, 2, 3), (2, 2, 3), (1, 3, 3), (1, 2, 4)]}) == 4
+
+
+# ----------------------------------------------------------------------------- state: checkpoint, spare, version
+
+class Counter:
+    """A job's further state: tensors and JSON values, by key."""
+
+    def __init__(self) -> None:
+        self.seen, self.ema = 0, torch.zeros(3)
+
+    def state_dict(self):
+        return {"seen": self.seen, "ema": self.ema.clone(), "nested": {"pair": (1, 2.5)}}
+
+    def load_state_dict(self, sd):
+        self.seen, self.ema = sd["seen"], sd["ema"].clone()
+        assert sd["nested"]["pair"] == (1, 2.5)
+
+
+def _trained(steps: int = 3):
+    from runtime.job_run import BoundJob, load_spec
+    sc = loads(job_scenario("good"), "<test>")
+    bound = BoundJob(load_spec(sc), sc)
+    for step in range(steps):
+        bound.apply(torch.stack([bound.slot_vector(step, s)[0] for s in range(4)]).mean(0))
+    return sc, bound
+
+
+def test_any_optimizers_state_and_the_jobs_state_go_through_a_checkpoint(tmp_path):
+    from runtime import checkpoint as ck
+    from runtime.job_run import BoundJob, load_spec
+    sc, bound = _trained()
+    counter = Counter()
+    counter.seen, counter.ema = 7, torch.tensor([1.0, -2.0, 0.5])
+    path = ck.save_checkpoint(tmp_path, step=3, model=bound.model, optimizer=bound.optimizer, rng=ck.capture_rng(),
+                              data_state=bound.loader.state(3), config_hash="a" * 64, config={}, topology={},
+                              extra={"counter": counter})
+    fresh = BoundJob(load_spec(sc), sc)
+    restored = Counter()
+    ck.load_checkpoint(path).apply_to(fresh.model, fresh.optimizer, {"counter": restored})
+    assert fresh.weights_sha256() == bound.weights_sha256()
+    assert restored.seen == 7 and torch.equal(restored.ema, counter.ema)
+    for p, q in zip(bound.params, fresh.params):  # SGD's momentum: no AdamW field assumed
+        assert torch.equal(bound.optimizer.state[p]["momentum_buffer"], fresh.optimizer.state[q]["momentum_buffer"])
+    with pytest.raises(ck.CheckpointError, match=r"holds the job state \['counter'\], the job registers \[\]"):
+        ck.load_checkpoint(path).apply_to(fresh.model, fresh.optimizer, {})
+
+
+def test_the_state_sent_to_a_spare_is_bit_exact_for_any_optimizer():
+    from runtime.job_run import BoundJob, load_spec
+    from runtime.worker_state import load_state_blob, state_blob
+    sc, bound = _trained()
+    spare = BoundJob(load_spec(sc), sc)
+    load_state_blob(state_blob(bound.optimizer, bound.model, {}), spare.optimizer, {})
+    for p, q in zip(bound.params, spare.params):
+        q.data.copy_(p.data)
+    bound.apply(torch.stack([bound.slot_vector(3, s)[0] for s in range(4)]).mean(0))
+    spare.apply(torch.stack([spare.slot_vector(3, s)[0] for s in range(4)]).mean(0))
+    assert spare.weights_sha256() == bound.weights_sha256()
+
+
+def test_first_moments_only_where_the_optimizer_keeps_them():
+    """The reduction's a priori bounds come from exp_avg (Adam family) and are None otherwise."""
+    sc, sgd = _trained(1)
+    assert sgd.first_moments() is None
+    from runtime.job_run import BoundJob, load_spec
+    gpt = BoundJob(load_spec(loads(scenario_text(), "<t>")), loads(scenario_text(), "<t>"))
+    assert gpt.first_moments() is None  # before the first step
+    gpt.apply(gpt.slot_vector(0, 0)[0])
+    assert [m.shape for m in gpt.first_moments()] == [p.shape for p in gpt.params]
+
+
+def test_a_checkpoint_of_another_job_api_version_is_refused(tmp_path):
+    from runtime import checkpoint as ck
+    sc, bound = _trained(1)
+    path = ck.save_checkpoint(tmp_path, step=1, model=bound.model, optimizer=bound.optimizer, rng=ck.capture_rng(),
+                              data_state={**bound.loader.state(1), "job_api": 2}, config_hash="a" * 64, config={},
+                              topology={})
+    with pytest.raises(ck.CheckpointError, match="written under job API version 2, this keel speaks 1"):
+        ck.load_checkpoint(path)
