@@ -244,3 +244,15 @@ def test_a_checkpoint_of_another_job_api_version_is_refused(tmp_path):
                               topology={})
     with pytest.raises(ck.CheckpointError, match="written under job API version 2, this keel speaks 1"):
         ck.load_checkpoint(path)
+
+
+def test_the_docs_twenty_line_example_keeps_the_contract(tmp_path):
+    """docs/job-api.md's example, as printed there, passes the contract check."""
+    from runtime.job_check import check_job
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "job-api.md").read_text()
+    code = doc.split("## A twenty-line example")[1].split("```python\n")[1].split("```")[0]
+    assert len(code.strip().splitlines()) <= 22
+    (tmp_path / "mlp.py").write_text(code)
+    (tmp_path / "s.toml").write_text(scenario_text(steps=4) + '\n[job]\nentry = "mlp.py:job"\n[job.config]\nwidth = 16\n')
+    from keel.scenario import load
+    assert check_job(load(tmp_path / "s.toml")) == "mlp.py:job"
