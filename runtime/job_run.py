@@ -275,6 +275,37 @@ class BoundJob:
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in self.params]
         return torch.cat(grads + [loss.detach().reshape(1).float()]).cpu(), b
 
+    def suspect_shards(self, step: int, slots: list[int], vectors: list[torch.Tensor], batches: list[SlotBatch],
+                       quarantine: Iterable[int]) -> list[int]:
+        """The shards to blame for this worker's non-finite slots at `step`: an injected data
+        fault's poisoned samples; else each sample of a non-finite slot is computed alone and
+        the shards of those non-finite on their own are blamed, provided some sample of this
+        worker's step is finite (when none is, the model, not the data, is at fault: nothing
+        is blamed and the coordinator stops the run)."""
+        bad = [k for k, v in enumerate(vectors) if not bool(torch.isfinite(v).all())]
+        poisoned = {sh for k in bad for sh, p in zip(batches[k].shards, batches[k].poisoned) if p}
+        if poisoned or not bad:
+            return sorted(poisoned)
+        blamed, finite_seen = set(), len(bad) < len(vectors)
+        saved = {n: t.detach().clone() for n, t in self.buffers().items()} if self.discard_buffers else {}
+        for k in bad:
+            g = self.loader.sampler.indices(step, slots[k], quarantine)
+            for i, shard in zip(g, batches[k].shards):
+                self.model.zero_grad(set_to_none=True)
+                batch = to_device(self.loader.collate([self.dataset[i]]), self.device)
+                loss = self.spec.job.loss(self.model, batch, slot_generator(self.seed, step, slots[k], self.device))
+                loss.backward()
+                ok = bool(torch.isfinite(loss)) and all(p.grad is None or bool(torch.isfinite(p.grad).all())
+                                                        for p in self.params)
+                finite_seen |= ok
+                if not ok:
+                    blamed.add(shard)
+                with torch.no_grad():
+                    for n, t in self.buffers().items() if saved else ():
+                        t.copy_(saved[n])
+        self.model.zero_grad(set_to_none=True)
+        return sorted(blamed) if finite_seen else []
+
     def apply(self, mean: torch.Tensor) -> None:
         """The reduced mean gradient (float32, loss last) becomes every parameter's gradient,
         then the optimizer steps (and the scheduler after it)."""

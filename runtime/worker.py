@@ -300,8 +300,7 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
             mean = self.reducer.reduce(pg, vectors, should_abort, before_comm, bounds=self._bounds())
             t_ready = t_compute + gate_s[0]
             if mean is None:  # some slot somewhere is non-finite: which of my samples were?
-                suspects = {sh for b, v in zip(batches, vectors) if not bool(torch.isfinite(v).all())
-                            for sh, bad in zip(b.shards, b.poisoned) if bad}
+                suspects = self.job.suspect_shards(step, self.slots, vectors, batches, self.quarantine)
                 self._nonfinite(g, step, sorted(suspects), should_abort)
                 continue  # redo the step with the new quarantine set
             if not self.chan.may_commit(step + 1):

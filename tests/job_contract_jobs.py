@@ -131,3 +131,29 @@ def vector_loss() -> Job:
 
 def too_small() -> Job:
     return dataclasses.replace(good(), dataset=lambda config: Points({"samples": 3}))
+
+
+class PointsWithBadShard(Points):
+    """Points whose samples in shard `bad_shard` (of `shards`) hold a NaN: bad data, not a bad model."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        per_shard = self.n // int(config["shards"])
+        self.bad = range(int(config["bad_shard"]) * per_shard, (int(config["bad_shard"]) + 1) * per_shard)
+
+    def __getitem__(self, i: int):
+        item = super().__getitem__(i)
+        if i in self.bad:
+            item["x"] = item["x"].clone()
+            item["x"][1] = float("nan")
+        return item
+
+
+def bad_shard() -> Job:
+    return dataclasses.replace(good(), dataset=PointsWithBadShard)
+
+
+def diverging() -> Job:
+    def nan_loss(model, batch, generator):
+        return F.cross_entropy(model(batch["x"]), batch["y"]) * float("nan")
+    return dataclasses.replace(good(), loss=nan_loss)

@@ -256,3 +256,38 @@ def test_the_docs_twenty_line_example_keeps_the_contract(tmp_path):
     (tmp_path / "s.toml").write_text(scenario_text(steps=4) + '\n[job]\nentry = "mlp.py:job"\n[job.config]\nwidth = 16\n')
     from keel.scenario import load
     assert check_job(load(tmp_path / "s.toml")) == "mlp.py:job"
+
+
+# ----------------------------------------------------------------------------- a non-finite value, traced
+
+def test_a_non_finite_slot_is_traced_to_its_samples_shard():
+    from runtime.job_run import BoundJob, load_spec
+    sc = loads(job_scenario("bad_shard", "shards = 16\nbad_shard = 5"), "<test>")
+    bound = BoundJob(load_spec(sc), sc)
+    step, found = 0, None
+    for step in range(40):  # a step whose slots 0-3 draw a sample of shard 5
+        out = [bound.slot_vector(step, s) for s in range(4)]
+        if any(5 in b.shards for _, b in out):
+            found = out
+            break
+    vectors, batches = [v for v, _ in found], [b for _, b in found]
+    assert [bool(torch.isfinite(v).all()) for v in vectors] == [5 not in b.shards for b in batches]
+    assert bound.suspect_shards(step, [0, 1, 2, 3], vectors, batches, frozenset()) == [5]
+
+
+def test_a_diverged_model_is_not_blamed_on_the_data():
+    from runtime.job_run import BoundJob, load_spec
+    sc = loads(job_scenario("diverging"), "<test>")
+    bound = BoundJob(load_spec(sc), sc)
+    out = [bound.slot_vector(0, s) for s in range(2)]
+    assert bound.suspect_shards(0, [0, 1], [v for v, _ in out], [b for _, b in out], frozenset()) == []
+
+
+def test_a_run_quarantines_a_shard_of_bad_data_and_completes(tmp_path):
+    from keel.events import read_events
+    from runtime.api import run_scenario
+    sc = loads(job_scenario("bad_shard", "shards = 16\nbad_shard = 5").replace("steps = 4", "steps = 12"), "<test>")
+    summary = run_scenario(sc, tmp_path / "run", progress=False)
+    quarantines = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e.kind == "quarantine"]
+    assert [q.detail["shards"] for q in quarantines] == [[5]]
+    assert summary["steps"] == 12 and summary["restarts"] == 0
