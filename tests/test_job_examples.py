@@ -60,3 +60,33 @@ def test_plain_pytorch_example_absorbs_faults_bit_identical(tmp_path):
     clean = keel_run(str(RESNET), "--no-faults", "--out", str(tmp_path / "clean"))
     faulty = keel_run(str(RESNET), "--out", str(tmp_path / "faulty"))
     assert_absorbed_bit_identical(faulty, clean, ["hardware_fault", "network_jitter"])
+
+
+def test_profile_of_the_transformers_example(tmp_path):
+    """`keel profile`: the parameter count is the model's own (transformers' count), the wire
+    bytes are the reduction's buffers (one exponent byte per block of 32 of every tensor, the
+    loss's and the non-finite flag; then int32 per element and the loss), and --write puts
+    the measurements into a scenario that loads."""
+    pytest.importorskip("transformers")
+    import math
+
+    from keel import wire
+    from keel.cli import main as keel_main
+    from keel.scenario import load
+    from runtime.job_run import load_spec
+    sc = load(LLAMA)
+    spec = load_spec(sc)
+    model = spec.job.model(0, spec.config)
+    out = tmp_path / "profiled.toml"
+    assert keel_main(["profile", str(LLAMA), "--steps", "2", "--write", str(out), "--json"]) == 0
+    from runtime.profile import profile
+    measured = profile(sc, steps=1)
+    assert measured["params"]["value"] == model.num_parameters() == 51_360
+    blocks = sum(math.ceil(p.numel() / 32) for p in model.parameters())
+    assert measured["wire_rounds"]["value"] == [["max", blocks + 2, blocks + 2], ["sum", 51_361, 4 * 51_361]]
+    assert measured["wire_bytes"]["value"] == blocks + 2 + 4 * 51_361
+    assert measured["wire_bytes"]["value"] == sum(n * b for _, n, b in wire.rounds(51_360, "block32", "float32", 4, blocks + 1))
+    profiled = load(out)
+    assert profiled.workload.params == 51_360 and profiled.job.config == sc.job.config
+    assert load_spec(profiled).name.endswith("examples/tiny_llama/job.py:job")  # found from the written file
+    assert profiled.checkpoint.weights_bytes > 4 * 51_360 and profiled.workload.step_compute_s > 0
