@@ -326,7 +326,7 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
         self._finish_checkpoint()
         self.at = f"gen {g}: done at step {self.committed}"
         self.chan.send({"type": "done", "gen": g, "committed": self.committed,
-                        "sha256": self.job.weights_sha256()})
+                        "sha256": self.job.weights_sha256(), "params": sum(self.job.sizes)})
 
     def _bounds(self) -> list[float] | None:
         """A priori bounds on this step's slot values, per segment of the reducer's layout (a

@@ -68,6 +68,7 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
         self.emu_stats = {"reports": 0, "overruns": 0, "compute_overruns": 0, "late_s": 0.0, "worst_late_s": 0.0,
                           "warmup_reports": 0, "warmup_late_s": 0.0}
         self.config = scenario.plain()
+        self.job_params: int | None = None  # the job's trainable parameters, as the workers' `done` says
         self.config_hash = scenario.config_hash()
         self.policy = scenario.policy
         self.total = scenario.run.steps
@@ -319,6 +320,7 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
             "generations": self.gen + 1, "quarantine": sorted(self.quarantine),
             "coordinator_restarts": self.incarnation,
             "slot_map": {m: self.slot_map[m] for m in self.members},
+            "job": job_of(self.sc, self.job_params),
         })
         if self.emulated:
             st = dict(self.emu_stats)
@@ -417,3 +419,12 @@ def supervised_main(argv: list[str]) -> int:
     link.sock.setblocking(True)
     link.send(verdict)
     return 0
+
+
+def job_of(scenario: Scenario, params: int | None) -> dict[str, Any]:
+    """The summary's `job`: its entry, its config and its trainable parameters (as the workers
+    counted them; None when no worker reported)."""
+    import dataclasses
+    if scenario.job.entry:
+        return {"entry": scenario.job.entry, "config": scenario.job.config, "params": params}
+    return {"entry": "runtime.job_gpt:job", "config": dataclasses.asdict(scenario.model), "params": params}
