@@ -50,12 +50,12 @@ def check_bound(bound: BoundJob) -> None:
         raise JobError(name, "the weights must be a function of (seed, config)", "two builds with the same seed "
                        "differ; draw the initial weights from a torch.Generator seeded with `seed`, not the global RNG")
     del again
-    b = built(spec, "collate", lambda: bound.loader.batch(0, 0))
+    b = built(spec, "", lambda: bound.loader.batch(0, 0), rule="the dataset's items and collate must give a batch")
     if not is_batch(b.data):
         raise JobError(name, "a batch must be a tensor or a dict/tuple of tensors", f"the collated batch is "
                        f"{describe(b.data)}; make the dataset's items tensors or give a collate that stacks them")
     before = {n: t.detach().clone() for n, t in bound.buffers().items()}
-    loss, _ = built(spec, "loss", bound.slot_loss, 0, 0)
+    loss, _ = built(spec, "", bound.slot_loss, 0, 0, rule="the loss must compute")
     if not (torch.is_tensor(loss) and loss.dim() == 0 and loss.is_floating_point()):
         raise JobError(name, "the loss must be a scalar tensor", f"it returned {describe(loss)}"
                        f"{' of shape ' + str(tuple(loss.shape)) if torch.is_tensor(loss) else ''}; reduce it to one value")
@@ -71,8 +71,8 @@ def check_bound(bound: BoundJob) -> None:
     with torch.no_grad():  # back to the state the rest of the checks start from
         for n, t in bound.buffers().items():
             t.copy_(before[n])
-    first = built(spec, "loss", lambda: bound.slot_vector(0, 0)[0])
-    second = built(spec, "loss", lambda: bound.slot_vector(0, 0)[0])
+    first = built(spec, "", lambda: bound.slot_vector(0, 0)[0], rule="the loss must compute")
+    second = built(spec, "", lambda: bound.slot_vector(0, 0)[0], rule="the loss must compute")
     if not torch.equal(first.view(torch.int32), second.view(torch.int32)):
         differ = int((first.view(torch.int32) != second.view(torch.int32)).sum())
         raise JobError(name, "the per-slot computation must be bitwise reproducible", f"slot 0 of step 0 computed "

@@ -27,7 +27,7 @@ class JobError(InputError):
     """A job that breaks the API's contract: one line naming the job, the rule and what to do."""
 
     def __init__(self, name: str, rule: str, message: str) -> None:
-        super().__init__(f"job {name}: {rule}: {message}")
+        super().__init__(" ".join(f"job {name}: {rule}: {message}".split()))  # one line, whatever the message
         self.rule = rule
 
 
@@ -181,14 +181,14 @@ def dataset_version(spec: JobSpec, dataset: Any) -> str:
     return hashlib.sha256(canonical_json({"entry": spec.name, "config": spec.config, "samples": len(dataset)}).encode()).hexdigest()
 
 
-def built(spec: JobSpec, what: str, builder, *args) -> Any:
-    """`builder(*args)`; its exception as a JobError naming the job and the builder."""
+def built(spec: JobSpec, what: str, builder, *args, rule: str | None = None) -> Any:
+    """`builder(*args)`; its exception as a JobError naming the job and the builder (or `rule`)."""
     try:
         return builder(*args)
     except InputError:
         raise
     except Exception as e:
-        raise JobError(spec.name, f"the {what} builder must succeed", f"it raised {type(e).__name__}: {e}") from None
+        raise JobError(spec.name, rule or f"the {what} builder must succeed", f"it raised {type(e).__name__}: {e}") from None
 
 
 def check_map_style(spec: JobSpec, dataset: Any, shards: int) -> None:

@@ -157,3 +157,9 @@ def diverging() -> Job:
     def nan_loss(model, batch, generator):
         return F.cross_entropy(model(batch["x"]), batch["y"]) * float("nan")
     return dataclasses.replace(good(), loss=nan_loss)
+
+
+def loss_raises() -> Job:
+    def broken(model, batch, generator):
+        raise ValueError("no input_ids in the batch\nsecond line of the message")
+    return dataclasses.replace(good(), loss=broken)

@@ -49,6 +49,7 @@ RULES = [
     ("vector_loss", "the loss must be a scalar tensor", "of shape (2,)"),
     ("batchnorm", "the forward pass must not write buffers", "buffer 1.running_mean changed"),
     ("unseeded_model", "the weights must be a function of (seed, config)", "two builds with the same seed differ"),
+    ("loss_raises", "the loss must compute", "it raised ValueError: no input_ids in the batch second line of the message"),
     ("global_rng_loss", "the per-slot computation must be bitwise reproducible", "slot 0 of step 0 computed twice"),
 ]
 
