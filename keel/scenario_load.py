@@ -249,7 +249,12 @@ def describe_schema(cls: type = Scenario, prefix: str = "") -> list[tuple[str, s
         elif inner:
             rows += describe_schema(inner[0], key + "[]")
         else:
-            default = "required" if f.default is dataclasses.MISSING else repr(f.default)
+            if f.default is not dataclasses.MISSING:
+                default = repr(f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                default = repr(f.default_factory())
+            else:
+                default = "required"
             rows.append((key, default, f.metadata.get("doc", "")))
     return rows
 
