@@ -9,6 +9,7 @@ per-slot backward, the exact reduction over slots and the decision to step. keel
     optimizer = job.optimizer(named_params, config)  # named_params: [(name, Parameter)], trainable, model order
     scheduler = job.scheduler(optimizer, config)     # optional; stepped after every optimizer step
     extra     = job.state(model, optimizer, config)  # optional {key: Stateful}: checkpointed, sent to a spare
+    job.after_step(model, optimizer, extra)          # optional, after every optimizer step (an EMA's update)
     dataset   = job.dataset(config)                  # map-style: __len__, __getitem__(int)
     loss      = job.loss(model, job.collate(samples), generator)   # a scalar tensor, per slot
 
@@ -54,6 +55,7 @@ class Job:
     collate: Callable[[list[Any]], Any] | None = None  # None: torch.utils.data.default_collate
     scheduler: Callable[[torch.optim.Optimizer, Mapping[str, Any]], Any] | None = None
     state: Callable[[torch.nn.Module, torch.optim.Optimizer, Mapping[str, Any]], Mapping[str, Stateful]] | None = None
+    after_step: Callable[[torch.nn.Module, torch.optim.Optimizer, Mapping[str, Stateful]], None] | None = None
     # buffers the forward pass writes (BatchNorm's running statistics): "refuse" them, or
     # "discard" what a slot's forward writes (every slot starts from the same values, which stay as built)
     mutable_buffers: Literal["refuse", "discard"] = "refuse"

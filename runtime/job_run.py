@@ -308,12 +308,14 @@ class BoundJob:
 
     def apply(self, mean: torch.Tensor) -> None:
         """The reduced mean gradient (float32, loss last) becomes every parameter's gradient,
-        then the optimizer steps (and the scheduler after it)."""
+        then the optimizer steps (then the scheduler, then the job's after_step)."""
         for p, grad in zip(self.params, mean.to(self.device).split(self.sizes + (1,))):
             p.grad = grad.view_as(p) if grad.dtype == p.dtype else grad.view_as(p).to(p.dtype)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        if self.spec.job.after_step is not None:
+            self.spec.job.after_step(self.model, self.optimizer, self.extra)
 
     def first_moments(self) -> list[torch.Tensor] | None:
         """The optimizer's first moment of every parameter where it keeps one (`exp_avg`: the

@@ -163,3 +163,30 @@ def loss_raises() -> Job:
     def broken(model, batch, generator):
         raise ValueError("no input_ids in the batch\nsecond line of the message")
     return dataclasses.replace(good(), loss=broken)
+
+
+class Ema:
+    """An exponential moving average of the weights: a job's further state, updated after every step."""
+
+    def __init__(self, model) -> None:
+        self.decay, self.steps = 0.9, 0
+        self.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def update(self, model) -> None:
+        self.steps += 1
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                self.weights[n].mul_(self.decay).add_(p, alpha=1 - self.decay)
+
+    def state_dict(self):
+        return {"steps": self.steps, "weights": {n: t.clone() for n, t in self.weights.items()}}
+
+    def load_state_dict(self, sd) -> None:
+        self.steps = sd["steps"]
+        self.weights = {n: t.clone() for n, t in sd["weights"].items()}
+
+
+def with_ema() -> Job:
+    return dataclasses.replace(good(), state=lambda model, opt, config: {"ema": Ema(model)},
+                               after_step=lambda model, opt, extra: extra["ema"].update(model),
+                               scheduler=lambda opt, config: torch.optim.lr_scheduler.StepLR(opt, 2, 0.5))

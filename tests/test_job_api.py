@@ -237,6 +237,37 @@ def test_first_moments_only_where_the_optimizer_keeps_them():
     assert [m.shape for m in gpt.first_moments()] == [p.shape for p in gpt.params]
 
 
+def test_a_jobs_ema_and_scheduler_are_updated_checkpointed_and_sent_to_a_spare(tmp_path):
+    from runtime import checkpoint as ck
+    from runtime.job_run import BoundJob, load_spec
+    from runtime.train_state import weights_sha256
+    from runtime.worker_state import load_state_blob, state_blob
+    sc = loads(job_scenario("with_ema"), "<test>")
+    bound = BoundJob(load_spec(sc), sc)
+    assert set(bound.extra) == {"ema", "scheduler"}
+    for step in range(3):
+        bound.apply(torch.stack([bound.slot_vector(step, s)[0] for s in range(4)]).mean(0))
+    ema = bound.extra["ema"]
+    assert ema.steps == 3 and bound.scheduler.last_epoch == 3 and bound.optimizer.param_groups[0]["lr"] == 0.05
+    path = ck.save_checkpoint(tmp_path, step=3, model=bound.model, optimizer=bound.optimizer, rng=ck.capture_rng(),
+                              data_state=bound.loader.state(3), config_hash="a" * 64, config={}, topology={},
+                              extra=bound.extra)
+    resumed, spare = BoundJob(load_spec(sc), sc), BoundJob(load_spec(sc), sc)
+    ck.load_checkpoint(path).apply_to(resumed.model, resumed.optimizer, resumed.extra)
+    load_state_blob(state_blob(bound.optimizer, bound.model, bound.extra), spare.optimizer, spare.extra)
+    for other in (resumed, spare):
+        for p, q in zip(bound.params, other.params):
+            q.data.copy_(p.data)
+        assert other.extra["ema"].steps == 3 and weights_sha256(other.extra["ema"].weights) == weights_sha256(ema.weights)
+        assert other.scheduler.last_epoch == 3
+    for job in (bound, resumed, spare):  # the next steps agree, LR decay and EMA included
+        for step in (3, 4):
+            job.apply(torch.stack([job.slot_vector(step, s)[0] for s in range(4)]).mean(0))
+    assert bound.weights_sha256() == resumed.weights_sha256() == spare.weights_sha256()
+    assert len({weights_sha256(j.extra["ema"].weights) for j in (bound, resumed, spare)}) == 1
+    assert bound.optimizer.param_groups[0]["lr"] == resumed.optimizer.param_groups[0]["lr"] == 0.025
+
+
 def test_a_checkpoint_of_another_job_api_version_is_refused(tmp_path):
     from runtime import checkpoint as ck
     sc, bound = _trained(1)
