@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip uninstall --quiet --yes keel 2>/dev/null || true  # the distribution was named keel before keel-twin
 	$(BIN)/pip install --quiet -c constraints.txt torch==2.13.0
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,ray]'  # ray: tests/test_planner.py runs plan's replicas on a local Ray instance
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,ray,examples]'  # ray: tests/test_planner.py runs plan's replicas on a local Ray instance; examples: tests/test_job_examples.py
 	touch $(STAMP)
 
 env: $(STAMP)

@@ -228,6 +228,16 @@ def downtime_chart(summaries: dict[str, dict[str, Any]]) -> alt.Chart:
     ).properties(autosize=PAD, width=420, height=240, title="downtime per fault")
 
 
+def loss_chart(summary: dict[str, Any], title: str = "training loss") -> alt.Chart:
+    """A runtime run's loss at every committed step (its summary's `losses`, from `start_step`)."""
+    start = int(summary.get("start_step") or 0)
+    rows = [{"step": start + i + 1, "loss": x} for i, x in enumerate(summary.get("losses") or [])]
+    return alt.Chart(alt.Data(values=rows)).mark_line(point=len(rows) <= 60).encode(
+        x=alt.X("step:Q", title="step"), y=alt.Y("loss:Q", title="loss", scale=alt.Scale(zero=False)),
+        tooltip=["step:Q", alt.Tooltip("loss:Q", format=".4f")],
+    ).properties(autosize=PAD, width=420, height=200, title=title)
+
+
 def goodput_chart(summaries: dict[str, dict[str, Any]]) -> alt.LayerChart:
     """Goodput per run (policies side by side), with the 95% interval when replicated."""
     rows = []

@@ -131,6 +131,22 @@ def headline(summary: dict[str, Any]) -> dict[str, Any]:
             "faults": len(summary.get("faults", []))}
 
 
+def job_line(summary: dict[str, Any]) -> str | None:
+    """"job ENTRY (k=v, ...), N parameters" for a runtime run's summary; None for a twin's
+    or a summary from before the job API."""
+    job = summary.get("job")
+    if not isinstance(job, dict) or not isinstance(job.get("entry"), str):
+        return None
+    config = job.get("config") if isinstance(job.get("config"), dict) else {}
+    text = f"job {job['entry']}"
+    if config:
+        items = ", ".join(f"{k}={v}" for k, v in list(config.items())[:8])
+        text += f" ({items}{', ...' if len(config) > 8 else ''})"
+    if isinstance(job.get("params"), int):
+        text += f", {job['params']:,} parameters"
+    return text
+
+
 def comparison_rows(comparison: dict[str, Any]) -> list[dict[str, Any]]:
     """The error table: one row per fault, then the median over faults, wall time, goodput and
     the emulation's faithfulness, each with the declared tolerance and pass/fail, and what its

@@ -1,5 +1,6 @@
-"""The peers' training script for bench/peers.py: keel's model, keel's data, one slot per
-worker, run the way each peer is meant to be run.
+"""The peers' training script for bench/peers.py: the scenario's job through keel's job API
+(runtime/job_run.py; peers-4.toml's is the built-in GPT), keel's data, one slot per worker, run
+the way each peer is meant to be run.
 
     # plain DDP (the baseline) and torchrun elastic (checkpoint every N steps, resume on restart)
     python -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 1 \
@@ -38,8 +39,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from keel.scenario import load  # noqa: E402
-from runtime.data import Loader, ensure_dataset  # noqa: E402
-from runtime.model import build_model, build_optimizer, slot_loss, weights_sha256  # noqa: E402
+from runtime.job import slot_generator  # noqa: E402
+from runtime.job_run import BoundJob, load_spec  # noqa: E402
+from runtime.train_state import weights_sha256  # noqa: E402
 
 SCENARIO = Path(__file__).with_name("peers-4.toml")
 
@@ -60,11 +62,18 @@ def loss_bits(x: float) -> str:
 
 
 def setup(args):
+    """The scenario's job (runtime/job_run.py: the built-in GPT without [job]), its model and
+    optimizer built, its samples drawn by keel's sampler."""
     torch.set_num_threads(1)
     sc = load(args.scenario, args.set)
-    loader = Loader(ensure_dataset(shards=sc.data.shards), sc.run.seed, sc.model.context, sc.workload.micro_batch)
-    model = build_model(sc.model, sc.run.seed)
-    return sc, loader, model
+    job = BoundJob(load_spec(sc), sc)
+    return sc, job, job.model
+
+
+def loss_of(job: BoundJob, model, step: int, slot: int):
+    """The job's loss of (step, slot) on `model` (the job's own, or a DDP wrapper of it)."""
+    b = job.loader.batch(step, slot)
+    return job.spec.job.loss(model, b.data, slot_generator(job.seed, step, slot))
 
 
 def maybe_kill(args, log: Log, slot: int, committed: int, attempt: int) -> None:
@@ -105,13 +114,13 @@ def run_ddp(args) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    sc, loader, model = setup(args)
+    sc, job, model = setup(args)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     log = Log(args.out, rank)
     log.write(kind="start", t=time.time(), pid=os.getpid(), attempt=attempt)
     init_group(dist, rank, world, attempt)
-    optimizer = build_optimizer(model, sc.model)
+    optimizer = job.optimizer
     ckpt = args.out / "ckpt.pt"
     start = 0
     if args.checkpoint_every and ckpt.exists():  # resume: every rank reads the newest checkpoint
@@ -124,13 +133,12 @@ def run_ddp(args) -> None:
             log.write(kind="resumed", step=start, attempt=attempt, weights=weights_sha256(model)[:16])
     ddp = DDP(model, **json.loads(args.ddp_kwargs))
     for step in range(start, sc.run.steps):
-        b = loader.batch(step, rank)
         if args.trace:  # this rank's own gradients, before any reduction
             plain = copy.deepcopy(model)
-            slot_loss(plain, b.x, b.y, b.w).backward()
+            loss_of(job, plain, step, rank).backward()
             local = flat_grads(plain)
         optimizer.zero_grad(set_to_none=True)
-        loss = slot_loss(ddp, b.x, b.y, b.w)
+        loss = loss_of(job, ddp, step, rank)
         maybe_kill(args, log, rank, step, attempt)  # mid-step: the others are in the all-reduce
         loss.backward()  # DDP averages the gradients over the 4 ranks
         if args.trace:
@@ -143,7 +151,7 @@ def run_ddp(args) -> None:
         if args.trace:
             log.write(kind="trace", step=step + 1, attempt=attempt, weights=weights_sha256(model)[:16], **trace)
         log.write(kind="commit", step=step + 1, t=time.time(), slots=[rank],
-                  samples=loader.sample_indices(step, rank), loss=loss_bits(loss.item()), part=True)
+                  samples=job.loader.sampler.indices(step, rank), loss=loss_bits(loss.item()), part=True)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and rank == 0:
             tmp = ckpt.with_suffix(".tmp")
             with open(tmp, "wb") as f:
@@ -185,12 +193,12 @@ def run_torchft(args) -> None:
 
     patch_torchft_comm_hook()
 
-    sc, loader, model = setup(args)
+    sc, job, model = setup(args)
     slot = args.replica
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     log = Log(args.out, slot)
     log.write(kind="start", t=time.time(), pid=os.getpid(), attempt=attempt)
-    inner = build_optimizer(model, sc.model)
+    inner = job.optimizer
 
     def state_dict():
         return {"model": model.state_dict(), "optim": inner.state_dict()}
@@ -212,9 +220,8 @@ def run_torchft(args) -> None:
             time.sleep(0.02)
     while manager.current_step() < sc.run.steps:
         step = manager.current_step()
-        b = loader.batch(step, slot)
         optimizer.zero_grad(set_to_none=True)  # starts the quorum (async)
-        loss = slot_loss(ddp, b.x, b.y, b.w)
+        loss = loss_of(job, ddp, step, slot)
         if attempt == 0 and slot == args.kill_rank and step == args.kill_at:
             manager.wait_quorum()  # the victim is in the step's quorum: the others will all-reduce with it
             maybe_kill(args, log, slot, step, attempt)
@@ -222,7 +229,7 @@ def run_torchft(args) -> None:
         optimizer.step()  # applies only if the manager says the step may commit
         if manager.current_step() > step:
             log.write(kind="commit", step=manager.current_step(), t=time.time(), slots=[slot],
-                      samples=loader.sample_indices(step, slot), loss=loss_bits(loss.item()),
+                      samples=job.loader.sampler.indices(step, slot), loss=loss_bits(loss.item()),
                       part=manager.is_participating(), n=manager.num_participants())
     log.write(kind="end", t=time.time(), sha=weights_sha256(model), step=manager.current_step())
     manager.shutdown(wait=False)

@@ -154,6 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     json_flag(sp)
     sp.set_defaults(func=_handler("runtime.cli:run"))
 
+    sp = command("profile", "measure the scenario's job on this machine's device, for the twin")
+    scenario_args(sp)
+    sp.add_argument("--steps", type=_count, default=3, metavar="N", help="steps to train and time")
+    sp.add_argument("--write", default=None, metavar="FILE",
+                    help="write the scenario with the measured workload and checkpoint values to FILE "
+                         "(default: write nothing)")
+    json_flag(sp, "the measurements")
+    sp.set_defaults(func=_handler("runtime.profile:main"))
+
     sp = command("data", "the versioned dataset")
     dsub = sp.add_subparsers(dest="data_command", required=True, parser_class=_Parser, metavar="COMMAND")
     dp = dsub.add_parser("prepare", help="build (or verify) the dataset: content-hashed shards",

@@ -26,7 +26,7 @@ from keel.scenario_base import (FLOAT_LIMIT, FLOAT_TINY, INT_LIMIT, MAX_FAULTS_P
 from keel.scenario_check import check as _check  # noqa: F401
 from keel.scenario_load import (_Loader, _toml_dump, _type_name, apply_override, describe_schema,  # noqa: F401
                                 dumps, from_dict, load, loads, override_text, parse_override, toml_value)
-from keel.schema import (Checkpoint, Data, Emulation, Faults, Link, Model, Policy, Region, Run,  # noqa: F401
+from keel.schema import (Checkpoint, Data, Emulation, Faults, Job, Link, Model, Policy, Region, Run,  # noqa: F401
                          Scenario, ScheduledFault, Validate, Workload, _strip_none)
 from keel.schema import to_plain as _to_plain  # noqa: F401
 

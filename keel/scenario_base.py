@@ -25,10 +25,11 @@ class ScenarioError(InputError):
     """A scenario (file or override) that cannot be used; the message names file and key."""
 
 
-def _doc(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+def _doc(text: str, default: Any = dataclasses.MISSING, metadata_extra: dict | None = None, **kw: Any) -> Any:
+    metadata = {"doc": text, **(metadata_extra or {})}
     if default is dataclasses.MISSING and "default_factory" not in kw:
-        return field(metadata={"doc": text}, **kw)
-    return field(default=default, metadata={"doc": text}, **kw)
+        return field(metadata=metadata, **kw)
+    return field(default=default, metadata=metadata, **kw)
 
 
 def canonical_json(obj: Any) -> str:

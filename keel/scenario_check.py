@@ -146,6 +146,9 @@ def check(s: Scenario) -> None:
     positive(m.lr, "model.lr")
     positive(m.weight_decay, "model.weight_decay", True)
     positive(s.data.shards, "data.shards")
+    module, sep, factory = s.job.entry.rpartition(":")
+    if s.job.entry and not (sep and module.strip() and factory.isidentifier()):
+        fail("job.entry", f"expected 'package.module:factory' or 'path/to/file.py:factory', got {s.job.entry!r}")
     if s.data.shards > MAX_SHARDS:
         fail("data.shards", f"expected at most {MAX_SHARDS:,} shards, got {s.data.shards:,}")
     positive(s.validate.downtime_rel_tol, "validate.downtime_rel_tol")

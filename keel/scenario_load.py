@@ -78,6 +78,14 @@ class _Loader:
             if not isinstance(raw, list):
                 self.fail(key, f"expected an array of tables, got {raw!r}")
             return tuple(self.value(item, x, f"{key}.{i}") for i, x in enumerate(raw))
+        if origin is dict:  # a free table ([job.config]): any TOML values, kept as given
+            if not isinstance(raw, dict):
+                self.fail(key, f"expected a table, got {raw!r}")
+            try:
+                json.dumps(raw, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                self.fail(key, f"expected plain TOML values (no dates, no nan/inf): {e}")
+            return copy.deepcopy(raw)
         if origin is Literal:
             if raw not in typing.get_args(tp):
                 self.fail(key, f"expected {_type_name(tp)}, got {raw!r}")
@@ -198,12 +206,16 @@ def toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, str):
         return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     raise AssertionError(v)
 
 
 def _toml_dump(d: dict, prefix: str = "") -> str:
     lines: list[str] = []
-    scalars = {k: v for k, v in d.items() if not isinstance(v, (dict, list)) and v is not None}
+    def is_scalar(v: Any) -> bool:  # an array of values (not of tables) is written inline
+        return not isinstance(v, (dict, list)) or (isinstance(v, list) and not any(isinstance(x, dict) for x in v))
+    scalars = {k: v for k, v in d.items() if is_scalar(v) and v is not None}
     if scalars and prefix:
         lines.append(f"[{prefix}]")
     for k, v in scalars.items():
@@ -214,7 +226,7 @@ def _toml_dump(d: dict, prefix: str = "") -> str:
         name = f"{prefix}.{k}" if prefix else k
         if isinstance(v, dict):
             lines.append(_toml_dump(v, name))
-        elif isinstance(v, list):
+        elif isinstance(v, list) and not is_scalar(v):
             for item in v:
                 lines.append(f"[[{name}]]")
                 lines += [f"{ik} = {toml_value(iv)}" for ik, iv in item.items() if iv is not None]
@@ -237,7 +249,12 @@ def describe_schema(cls: type = Scenario, prefix: str = "") -> list[tuple[str, s
         elif inner:
             rows += describe_schema(inner[0], key + "[]")
         else:
-            default = "required" if f.default is dataclasses.MISSING else repr(f.default)
+            if f.default is not dataclasses.MISSING:
+                default = repr(f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                default = repr(f.default_factory())
+            else:
+                default = "required"
             rows.append((key, default, f.metadata.get("doc", "")))
     return rows
 

@@ -125,6 +125,15 @@ class Model:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    entry: str = _doc("the training job: 'package.module:factory' or 'path/to/file.py:factory' (a path "
+                      "relative to the scenario's directory); the factory returns a runtime.job.Job "
+                      "(docs/job-api.md). Empty: the built-in byte-level GPT of [model] and [data]", "")
+    config: dict[str, Any] = _doc("passed to each of the job's builders ([job.config]); enters the config hash",
+                                  default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Data:
     shards: int = _doc("shards the versioned dataset is cut into", 16)
 
@@ -162,6 +171,8 @@ class Scenario:
     policy: Policy = _doc("recovery policy", default_factory=Policy)
     model: Model = _doc("the runtime's model", default_factory=Model)
     data: Data = _doc("the runtime's dataset", default_factory=Data)
+    job: Job = _doc("the runtime's training job (absent: the built-in GPT)", default_factory=Job,
+                    metadata_extra={"omit_default": True})
     validate: Validate = _doc("validation tolerances, declared before the run", default_factory=Validate)
     emulation: Emulation = _doc("the runtime's emulated-cluster mode", default_factory=Emulation)
     reduction: Reduction = _doc("the runtime's exact reduction over slots", default_factory=Reduction)
@@ -224,8 +235,12 @@ def to_plain(obj: Any) -> Any:
         for f in dataclasses.fields(obj):
             if f.metadata.get("internal"):
                 continue
+            if f.metadata.get("omit_default") and getattr(obj, f.name) == f.default_factory():
+                continue  # a table added after scenarios were hashed: absent when unused, so old hashes hold
             out[_toml_name(f.name)] = to_plain(getattr(obj, f.name))
         return out
     if isinstance(obj, tuple):
         return [to_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
     return obj

@@ -36,12 +36,12 @@ def without_faults(scenario: Scenario) -> Scenario:
 def check_runnable(scenario: Scenario, steps: int | None = None) -> None:
     """InputError for what the runtime would refuse, before any worker starts: fewer than 2
     steps (`steps`, the --steps override, or run.steps: the summary measures the step time
-    between commits), and the dataset's shard size against `data.shards` and `model.context`
-    (each worker would find the same in runtime/data.py, exit, and the run fail as "every
-    worker process exited" after their start-up, exit 1, half a minute later). `keel run`,
-    validate, calibrate and run_scenario call it first."""
+    between commits), a reduction format the runtime lacks, and a job that breaks the job
+    contract (runtime/job_check.py; for the built-in job, a corpus cut that `data.shards` and
+    `model.context` make unusable): each worker would find the same, exit, and the run fail as
+    "every worker process exited" after their start-up, exit 1, half a minute later. `keel
+    run`, validate, calibrate and run_scenario call it first."""
     from keel.errors import InputError
-    from runtime.data import CORPUS_CAP_BYTES, SAMPLES_CONTEXT
 
     n = steps if steps is not None else scenario.run.steps
     if n < 2:
@@ -55,15 +55,17 @@ def check_runnable(scenario: Scenario, steps: int | None = None) -> None:
                          f"for a run (native is a plain all-reduce the twin prices for comparison), "
                          f"got {scenario.reduction.format!r}")
 
-    shards, context = scenario.data.shards, scenario.model.context
-    shard_bytes = CORPUS_CAP_BYTES // shards
-    if shard_bytes < 2 * SAMPLES_CONTEXT:
-        raise InputError(f"{scenario.source}: key 'data.shards': expected at most "
-                         f"{CORPUS_CAP_BYTES // (2 * SAMPLES_CONTEXT):,} shards of the runtime's "
-                         f"{CORPUS_CAP_BYTES:,}-byte corpus, got {shards:,}")
-    if (shard_bytes - 1) // context < 1:
-        raise InputError(f"{scenario.source}: key 'model.context': expected a context shorter than a shard "
-                         f"({shard_bytes:,} bytes with data.shards = {shards}), got {context:,}")
+    from runtime.job_check import check_job
+    check_job(scenario)  # the job's contract (runtime/job_check.py), in this process: nothing is written
+
+
+def job_dir_of(scenario: Scenario) -> str | None:
+    """Where the workers find a file entry of the scenario's job: its directory, absolute
+    (the workers may start in another directory); None for the built-in job."""
+    if not scenario.job.entry:
+        return None
+    from runtime.job_run import scenario_dir
+    return str(scenario_dir(scenario))
 
 
 def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None = None,
@@ -95,7 +97,10 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
     out = Path(out_dir)
     options = {"resume": str(resume) if resume is not None else None, "allow_config_change": allow_config_change,
                "progress": progress, "hangs": hangs, "device": device or os.environ.get("KEEL_DEVICE", "cpu"),
-               "backend": backend or os.environ.get("KEEL_BACKEND", "gloo")}
+               "backend": backend or os.environ.get("KEEL_BACKEND", "gloo"), "job_dir": job_dir_of(scenario)}
+    if scenario.job.entry:  # the fork server imports the job's libraries once, for every worker it forks
+        from runtime.coordinator.procs import preload_job
+        preload_job(scenario.job.entry, options["job_dir"])
     supervisor = Supervisor(scenario, out, listen=listen, spawn=spawn, options=options)  # locks `out`
     try:
         summary = supervisor.run()

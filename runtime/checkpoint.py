@@ -80,11 +80,12 @@ class Snapshot:
 
 
 def take_snapshot(*, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng: dict[str, Any],
-                  data_state: dict[str, Any], config_hash: str, config: dict[str, Any], topology: dict[str, Any]) -> Snapshot:
+                  data_state: dict[str, Any], config_hash: str, config: dict[str, Any], topology: dict[str, Any],
+                  extra: dict[str, Any] | None = None) -> Snapshot:
     if not (isinstance(config_hash, str) and len(config_hash) == 64 and HEX.match(config_hash)):
         raise ValueError(f"config_hash: expected 64 lowercase hex digits, got {config_hash!r}")
     weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    opt_tensors, opt_meta = flatten_optimizer(optimizer, model)
+    opt_tensors, opt_meta = flatten_optimizer(optimizer, model, extra)
     rng_tensors, rng_meta = _split_tensors(rng)
     rng_meta.setdefault("loader", {"stateless": True, "sampler": data_state.get("sampler"), "version": data_state.get("version"),
                                    "seed": data_state.get("seed"), "step": data_state.get("step"),
@@ -179,11 +180,11 @@ def _replace_dir(new: Path, final: Path) -> None:
 
 def save_checkpoint(run_dir: str | Path, *, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     rng: dict[str, Any], data_state: dict[str, Any], config_hash: str, config: dict[str, Any],
-                    topology: dict[str, Any], keep: int = 3,
+                    topology: dict[str, Any], keep: int = 3, extra: dict[str, Any] | None = None,
                     before_commit: Callable[[], None] | None = None) -> Path:
     """Write a checkpoint synchronously; returns its directory."""
     snap = take_snapshot(step=step, model=model, optimizer=optimizer, rng=rng, data_state=data_state,
-                         config_hash=config_hash, config=config, topology=topology)
+                         config_hash=config_hash, config=config, topology=topology, extra=extra)
     return write_snapshot(run_dir, snap, keep, before_commit)
 
 
@@ -228,13 +229,13 @@ class AsyncCheckpointer:
 
     def snapshot_and_submit(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng: dict[str, Any],
                             data_state: dict[str, Any], config_hash: str, config: dict[str, Any],
-                            topology: dict[str, Any]) -> float:
+                            topology: dict[str, Any], extra: dict[str, Any] | None = None) -> float:
         """Copy the state to the CPU and start writing it in the background; returns the
         seconds training was stalled (including any wait for the previous write)."""
         t0 = time.perf_counter()
         self.wait()
         snap = take_snapshot(step=step, model=model, optimizer=optimizer, rng=rng, data_state=data_state,
-                             config_hash=config_hash, config=config, topology=topology)
+                             config_hash=config_hash, config=config, topology=topology, extra=extra)
         stall = time.perf_counter() - t0
         self._thread = threading.Thread(target=self._write, args=(snap, stall), name=f"keel-ckpt-{step}")
         self._thread.start()
@@ -271,11 +272,13 @@ class AsyncCheckpointer:
         return self.last_path
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng: dict[str, Any],
-             data_state: dict[str, Any], config_hash: str, config: dict[str, Any], topology: dict[str, Any]) -> Path:
+             data_state: dict[str, Any], config_hash: str, config: dict[str, Any], topology: dict[str, Any],
+             extra: dict[str, Any] | None = None) -> Path:
         """A synchronous save (after any write in flight); raises on failure."""
         self.wait()
         path = save_checkpoint(self.run_dir, step=step, model=model, optimizer=optimizer, rng=rng, data_state=data_state,
-                               config_hash=config_hash, config=config, topology=topology, keep=self.keep)
+                               config_hash=config_hash, config=config, topology=topology, keep=self.keep,
+                               extra=extra)
         self.last_path = path
         return path
 

@@ -32,13 +32,21 @@ log = logging.getLogger("keel.checkpoint")
 
 # ----------------------------------------------------------------------------- optimizer state
 
-def apply_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Restore `state` (LoadedCheckpoint.optimizer_state) into `optimizer`, bit for bit."""
+def apply_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                          extra: dict[str, Any] | None = None) -> None:
+    """Restore `state` (LoadedCheckpoint.optimizer_state) into `optimizer`, bit for bit, and
+    the job's further state into `extra` ({key: Stateful}) where given."""
     if state.get("kind") not in (None, type(optimizer).__name__):
         raise CheckpointError(f"optimizer_state: written by {state['kind']}, cannot restore into {type(optimizer).__name__}")
     sd = {"state": {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in state["state"].items()},
           "param_groups": [dict(g) for g in state["param_groups"]]}
     optimizer.load_state_dict(sd)
+    if extra is not None:
+        from runtime.train_state import load_extra
+        try:
+            load_extra(extra, state.get("extra"), "optimizer_state")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- reading
@@ -189,6 +197,12 @@ def _parse(path: Path, manifest: dict[str, Any], blobs: dict[str, bytes]) -> dic
             raise CheckpointError(f"{path / 'context.json'}: {key} is not a JSON object")
     if not (isinstance(context["config_hash"], str) and len(context["config_hash"]) == 64 and HEX.match(context["config_hash"])):
         raise CheckpointError(f"{path / 'context.json'}: config_hash is not 64 lowercase hex digits")
+    from runtime.job import API_VERSION
+    written = context["data_offset"].get("job_api", 1)  # before the job API: the built-in job, as version 1
+    if written != API_VERSION:
+        raise CheckpointError(f"{path / 'context.json'}: written under job API version {written!r}, this keel speaks "
+                              f"{API_VERSION} (its sampler, slot RNG or state layout differ: docs/job-api.md); "
+                              f"resume it with the keel that wrote it")
     return {"weights": weights, "optimizer_state": optimizer_state, "rng": rng, "context": context}
 
 
@@ -271,11 +285,12 @@ class LoadedCheckpoint:
     path: Path
     warnings: list[str] = field(default_factory=list)
 
-    def apply_to(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Restore weights (and optimizer state) bit for bit."""
+    def apply_to(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
+        """Restore weights (and optimizer state, and a job's further state) bit for bit."""
         model.load_state_dict(self.weights, strict=True)
         if optimizer is not None:
-            apply_optimizer_state(optimizer, self.optimizer_state)
+            apply_optimizer_state(optimizer, self.optimizer_state, extra)
 
 
 def load_checkpoint(path: str | Path, *, config_hash: str | None = None, config: dict[str, Any] | None = None,

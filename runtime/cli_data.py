@@ -1,4 +1,4 @@
-"""`keel data prepare [--out DIR] [--shards N] [--json]`: build (or verify) the versioned dataset."""
+"""`keel data prepare [--out DIR] [--shards N] [--json]`: build (or verify) the built-in job's versioned dataset."""
 from __future__ import annotations
 
 import argparse
@@ -10,12 +10,13 @@ from keel.rundir import print_json
 
 
 def data_prepare(args: argparse.Namespace) -> int:
-    from runtime.data import default_root, ensure_dataset
+    from runtime.data import default_root
+    from runtime.job_gpt import prepare_dataset
 
     if args.shards < 1:
         raise InputError(f"--shards: expected a positive number of shards, got {args.shards}")
     root = Path(args.out) if args.out else default_root(args.shards)
-    ds = ensure_dataset(root, shards=args.shards, progress=True)
+    ds = prepare_dataset(root, args.shards, progress=True)
     summary = {"root": str(ds.root), "version": ds.version, "shards": ds.shards, "shard_bytes": ds.shard_bytes,
                "bytes": ds.shards * ds.shard_bytes, "built": ds.built, "source": ds.index["source"]}
     if args.json:

@@ -229,6 +229,34 @@ class Batch:
     shards: tuple[int, ...]  # the shard of each sample
 
 
+class Sampler:
+    """keel's one sampler, for every job: the global sample indices of (step, slot) as a pure
+    function of (dataset version, seed, step, slot, quarantine set) over `shards` shards of
+    `per_shard` samples each (sample g lies in shard g // per_shard)."""
+
+    def __init__(self, version: str, seed: int, per_shard: int, shards: int, micro_batch: int) -> None:
+        self.per_shard, self.shards, self.micro_batch = per_shard, shards, micro_batch
+        self.total = per_shard * shards
+        self._prefix = hashlib.blake2b(f"{version}|{int(seed)}|".encode(), digest_size=8)
+
+    def indices(self, step: int, slot: int, quarantine: Iterable[int] = frozenset()) -> list[int]:
+        quarantine = frozenset(quarantine)
+        if len(quarantine & set(range(self.shards))) >= self.shards:
+            raise InputError("every shard of the dataset is quarantined; no sample is left to draw")
+        out = []
+        for i in range(self.micro_batch):
+            attempt = 0
+            while True:
+                h = self._prefix.copy()
+                h.update(f"{step}|{slot}|{i}|{attempt}".encode())
+                g = int.from_bytes(h.digest(), "little") % self.total
+                if g // self.per_shard not in quarantine:
+                    break
+                attempt += 1
+            out.append(g)
+        return out
+
+
 class Loader:
     """Samples of (step, slot) as a pure function of (dataset version, seed, step, slot,
     quarantine set); no state advances, so any step is reached in O(1)."""
@@ -243,27 +271,19 @@ class Loader:
         self.seed = int(seed)
         self.context = context
         self.micro_batch = micro_batch
-        self.total = self.per_shard * dataset.shards
-        self._prefix = hashlib.blake2b(f"{dataset.version}|{self.seed}|".encode(), digest_size=8)
+        self.sampler = Sampler(dataset.version, self.seed, self.per_shard, dataset.shards, micro_batch)
+        self.total = self.sampler.total
         self._offsets = np.arange(context + 1)
 
     def sample_indices(self, step: int, slot: int, quarantine: Iterable[int] = frozenset()) -> list[int]:
         """Global sample indices (shard * per_shard + window) of (step, slot)."""
-        quarantine = frozenset(quarantine)
-        if len(quarantine & set(range(self.dataset.shards))) >= self.dataset.shards:
-            raise InputError("every shard of the dataset is quarantined; no sample is left to draw")
-        out = []
-        for i in range(self.micro_batch):
-            attempt = 0
-            while True:
-                h = self._prefix.copy()
-                h.update(f"{step}|{slot}|{i}|{attempt}".encode())
-                g = int.from_bytes(h.digest(), "little") % self.total
-                if g // self.per_shard not in quarantine:
-                    break
-                attempt += 1
-            out.append(g)
-        return out
+        return self.sampler.indices(step, slot, quarantine)
+
+    def sample(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample `g` as (x, y): LongTensor[context] each, y the next-byte targets of x."""
+        shard, window = divmod(int(g), self.per_shard)
+        row = torch.from_numpy(self.dataset.data[shard, window * self.context + self._offsets].astype(np.int64))
+        return row[:-1], row[1:]
 
     def batch(self, step: int, slot: int, quarantine: frozenset[int] = frozenset(),
               poisoned: frozenset[int] = frozenset()) -> Batch:

@@ -6,9 +6,7 @@ single-tensor AdamW path, so a step on the same inputs gives the same bits every
 """
 from __future__ import annotations
 
-import hashlib
 import math
-from typing import Mapping
 
 import torch
 import torch.nn as nn
@@ -120,18 +118,4 @@ def build_optimizer(model: nn.Module, cfg: ModelConfig) -> torch.optim.AdamW:
 
 # ----------------------------------------------------------------------------- hashing
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw bytes of a tensor (contiguous, on the CPU, native little-endian)."""
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def weights_sha256(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor]) -> str:
-    """sha256 over the weights in sorted-name order: for each tensor, its name, dtype and shape
-    (as `name\\0dtype\\0d0,d1,...\\0`) then its bytes."""
-    sd = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, nn.Module) else model_or_state_dict
-    h = hashlib.sha256()
-    for name in sorted(sd):
-        t = sd[name]
-        h.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{','.join(map(str, t.shape))}\0".encode())
-        h.update(tensor_bytes(t))
-    return h.hexdigest()
+from runtime.train_state import tensor_bytes, weights_sha256  # noqa: E402,F401  (here as before)

@@ -70,7 +70,7 @@ WORKER_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "ckpt_end": {"step": int},
     "done": {"gen": int, "committed": int, "sha256": str},
 }
-_OPTIONAL = {"probe_s": _NUM, "late_s": _NUM, "committed": int, "message": str}
+_OPTIONAL = {"probe_s": _NUM, "late_s": _NUM, "committed": int, "message": str, "params": int}
 
 
 def check_worker_message(msg: dict[str, Any]) -> None:

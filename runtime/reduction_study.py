@@ -18,30 +18,16 @@ from runtime.reduction import Layout, blocked, moment_bounds, reduce_local, segm
 def slot_gradients(scenario, steps: int, slots: int, fmt: str = "int64"):
     """(layout, per-slot vectors of step `steps`, per-element bounds or None): the built-in
     job trained `steps` steps on `slots` slots with the exact reduction in `fmt`."""
-    from runtime.data import Loader, ensure_dataset
-    from runtime.model import build_model, build_optimizer, slot_loss
-    dataset = ensure_dataset(None, shards=scenario.data.shards)
-    loader = Loader(dataset, scenario.run.seed, scenario.model.context, scenario.workload.micro_batch)
-    model = build_model(scenario.model, scenario.run.seed)
-    opt = build_optimizer(model, scenario.model)
-    params = list(model.parameters())
-    layout = Layout(tuple(p.numel() for p in params) + (1,))
+    from runtime.job_run import BoundJob, load_spec
+    job = BoundJob(load_spec(scenario), scenario)
+    opt, params = job.optimizer, job.params
+    layout = Layout(job.sizes + (1,))
 
     def vectors(step: int) -> list[torch.Tensor]:
-        out = []
-        for slot in range(slots):
-            b = loader.batch(step, slot)
-            model.zero_grad(set_to_none=True)
-            loss = slot_loss(model, b.x, b.y, b.w)
-            loss.backward()
-            out.append(torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)]))
-        return out
+        return [job.slot_vector(step, slot)[0] for slot in range(slots)]
 
     for step in range(steps):
-        mean = reduce_local(layout, [vectors(step)], slots, bounds(layout, opt, params, fmt), fmt)
-        for p, g in zip(params, mean.split(layout.sizes)):
-            p.grad = g.view_as(p).clone()
-        opt.step()
+        job.apply(reduce_local(layout, [vectors(step)], slots, bounds(layout, opt, params, fmt), fmt))
     return layout, vectors(steps), element_bounds(opt, params)
 
 

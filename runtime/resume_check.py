@@ -1,7 +1,6 @@
 """`--resume --allow-config-change` with a model of another shape: found before the job
 starts, by comparing the tensor shapes of the checkpoint it would resume from (its weights
-file's safetensors header, nothing else read) with the scenario's model (built on the meta
-device: no memory, no initialisation)."""
+file's safetensors header, nothing else read) with the scenario's job's model."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,11 +35,13 @@ def _header_only(data: bytes) -> tuple[dict, dict]:
 
 
 def model_shapes(scenario: Scenario) -> dict[str, list[int]]:
+    """The scenario's job's model, built by its builder (runtime/job_run.py)."""
     import torch
 
-    from runtime.model import GPT
-    with torch.device("meta"):
-        model = GPT(scenario.model)
+    from runtime.job_run import built, load_spec
+    spec = load_spec(scenario)
+    with torch.random.fork_rng(devices=[]):
+        model = built(spec, "model", spec.job.model, scenario.run.seed, spec.config)
     return {name: list(t.shape) for name, t in model.state_dict().items()}
 
 

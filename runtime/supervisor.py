@@ -55,7 +55,7 @@ class Supervisor:
     def __init__(self, scenario: Scenario, out_dir: str | Path, *, listen: str = "127.0.0.1:0",
                  spawn: bool = True, options: dict[str, Any] | None = None):
         """`options`: the Coordinator's keyword arguments that travel to it (resume, no_faults,
-        allow_config_change, progress, hangs, device, backend, data_root)."""
+        allow_config_change, progress, hangs, device, backend, data_root, job_dir)."""
         self.sc = scenario
         self.out = Path(out_dir)
         self.spawn_local = spawn

@@ -9,13 +9,12 @@ Launched by `keel run` (one per scenario node), by hand on other machines, or by
 Per generation it builds a fresh gloo group on `PrefixStore("gen{g}/", store)` (lazily
 connected, so forming it never blocks), receives the state from a live peer if it is behind,
 and steps: for each of its slots a forward/backward on that slot's micro-batch, then the
-deterministic reduction over all slots (one collective in the common case, reduction.py), then AdamW. Every wait
+deterministic reduction over all slots (one collective in the common case, reduction.py), then the job's optimizer. Every wait
 on a collective polls for the coordinator's abort, so a lost peer never costs a timeout.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import queue
 import signal
@@ -106,8 +105,8 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
         return self.coord_host, welcome
 
     def _build(self, welcome: dict[str, Any]) -> None:
-        """The scenario's model, optimizer, data and reducer on this worker's device, and its
-        emulated node where the cluster is emulated."""
+        """The scenario's job (runtime/job_run.py: model, optimizer, data) and the reducer on this
+        worker's device, and its emulated node where the cluster is emulated."""
         from keel.scenario import from_dict
         self.scenario = from_dict(welcome["scenario"], source=welcome.get("source", "<coordinator>"))
         torch.set_num_threads(1)
@@ -115,17 +114,11 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
         self.backend = welcome.get("backend") or "gloo"
         self.device = pick_device(welcome.get("device") or "cpu", self.backend, welcome.get("local_index", 0))
 
-        from runtime.data import Loader, ensure_dataset
-        from runtime.model import build_model, build_optimizer
+        from runtime.job_run import BoundJob, load_spec
         sc = self.scenario
-        self.dataset = ensure_dataset(welcome.get("data_root"), shards=sc.data.shards)
-        self.loader = Loader(self.dataset, sc.run.seed, sc.model.context, sc.workload.micro_batch)
-        self.model = build_model(sc.model, sc.run.seed)
-        if self.device != "cpu":
-            self.model.to(self.device)
-        self.optimizer = build_optimizer(self.model, sc.model)
-        self.params = list(self.model.parameters())
-        self.layout = Layout(tuple(p.numel() for p in self.params) + (1,))
+        self.job = BoundJob(load_spec(sc, welcome.get("data_root"), welcome.get("job_dir")), sc, self.device)
+        self.loader, self.model, self.optimizer, self.params = self.job.loader, self.job.model, self.job.optimizer, self.job.params
+        self.layout = Layout(self.job.sizes + (1,))
         self.waiter = Waiter()
         emu = welcome.get("emulation")
         self.emu = None  # the emulated node (runtime/emulation/node.py), or None on real hardware
@@ -271,18 +264,11 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
     def _compute_slots(self, step: int) -> tuple[list[torch.Tensor], list[Any]]:
         """Forward and backward of each of this worker's slots on its micro-batch of `step`:
         per slot, the flat gradient with the loss appended, and the batch it saw."""
-        from runtime.model import slot_loss
         poisoned = poisoned_at(self.poison, step)
         vectors, batches = [], []
         for slot in self.slots:
-            b = self.loader.batch(step, slot, self.quarantine, poisoned)
-            x, y, w = b.x, b.y, b.w
-            if self.device != "cpu":
-                x, y, w = x.to(self.device), y.to(self.device), w.to(self.device)
-            self.model.zero_grad(set_to_none=True)
-            loss = slot_loss(self.model, x, y, w)
-            loss.backward()
-            vectors.append(torch.cat([p.grad.reshape(-1) for p in self.params] + [loss.detach().reshape(1)]).cpu())
+            v, b = self.job.slot_vector(step, slot, self.quarantine, poisoned)
+            vectors.append(v)
             batches.append(b)
         return vectors, batches
 
@@ -314,15 +300,12 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
             mean = self.reducer.reduce(pg, vectors, should_abort, before_comm, bounds=self._bounds())
             t_ready = t_compute + gate_s[0]
             if mean is None:  # some slot somewhere is non-finite: which of my samples were?
-                suspects = {sh for b, v in zip(batches, vectors) if not bool(torch.isfinite(v).all())
-                            for sh, wi in zip(b.shards, b.w.tolist()) if not math.isfinite(wi)}
+                suspects = self.job.suspect_shards(step, self.slots, vectors, batches, self.quarantine)
                 self._nonfinite(g, step, sorted(suspects), should_abort)
                 continue  # redo the step with the new quarantine set
             if not self.chan.may_commit(step + 1):
                 self._hold_commit(step + 1, should_abort)
-            for p, grad in zip(self.params, mean.to(self.device).split(self.layout.sizes)):
-                p.grad = grad.view_as(p)  # views of the fresh mean: nothing else holds it
-            self.optimizer.step()
+            self.job.apply(mean)
             self.committed = step + 1
             t_total = time.perf_counter() - t0
             report = {"type": "step", "gen": g, "step": self.committed, "loss": float(mean[-1]),
@@ -342,24 +325,18 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
         self.at = f"gen {g}: finishing the last checkpoint"
         self._finish_checkpoint()
         self.at = f"gen {g}: done at step {self.committed}"
-        from runtime.model import weights_sha256
         self.chan.send({"type": "done", "gen": g, "committed": self.committed,
-                        "sha256": weights_sha256(self.model)})
+                        "sha256": self.job.weights_sha256(), "params": sum(self.job.sizes)})
 
     def _bounds(self) -> list[float] | None:
         """A priori bounds on this step's slot values, per segment of the reducer's layout (a
-        tensor, or a block of one), from the replicated AdamW state (identical on every worker,
-        restored by a checkpoint, sent to a spare): 256 x the largest |first moment| there,
-        and 2^20 for the loss (reduction.moment_bounds). None before the first update. Values
-        beyond them only cost the step a second round (reduction.py)."""
-        state = self.optimizer.state
-        moments = []
-        for p in self.params:
-            st = state.get(p)
-            if not st or "exp_avg" not in st:
-                return None
-            moments.append(st["exp_avg"])
-        return self.reducer.bounds(moment_bounds(moments))
+        tensor, or a block of one), from the optimizer's replicated first moments where it keeps
+        them (identical on every worker, restored by a checkpoint, sent to a spare): 256 x the
+        largest |first moment| there, and 2^20 for the loss (reduction.moment_bounds). None
+        before the first update, or for an optimizer without first moments: the step then takes
+        the reduction's two rounds. Values beyond them only cost the step a second round."""
+        moments = self.job.first_moments()
+        return None if moments is None else self.reducer.bounds(moment_bounds(moments))
 
     def _nonfinite(self, g: int, step: int, suspects: list[int], should_abort) -> None:
         """No non-finite value reaches the weights: report, wait for the coordinator's

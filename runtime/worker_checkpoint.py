@@ -18,7 +18,7 @@ class CheckpointMixin:
         return dict(step=self.committed, model=self.model, optimizer=self.optimizer,
                     rng=ck.capture_rng(), data_state=self.loader.state(self.committed, self.quarantine),
                     config_hash=self.run_info["config_hash"], config=self.run_info["scenario"],
-                    topology=topology)
+                    topology=topology, extra=self.job.extra)
 
     def _checkpoint(self, g: int) -> None:
         """The lowest rank writes every `checkpoint.interval_steps`: async mode snapshots at the

@@ -91,6 +91,20 @@ def test_runs_page_lists_runs(monkeypatch, runs_root):
     assert not any("handwritten-validation" in h for h in latest)  # a job, never a validation's part
 
 
+def test_runs_page_names_a_runtime_runs_job_and_shows_its_loss(monkeypatch, tmp_path):
+    from test_app_runs import FAULTS, _events, write_run
+    out = tmp_path / "runs" / "tiny-llama"
+    summary = write_run(out, _events(0.02, [(*FAULTS[0], 0.1)], steps=12), "runtime")
+    summary.update(losses=[6.2 - 0.05 * k for k in range(12)],
+                   job={"entry": "job.py:job", "config": {"hidden_size": 32, "layers": 2}, "params": 51_360})
+    (out / "summary.json").write_text(json.dumps(summary))
+    at = open_app(monkeypatch, tmp_path / "runs")
+    no_exception(at)
+    assert "job job.py:job (hidden_size=32, layers=2), 51,360 parameters" in [c.value for c in at.caption]
+    loss = [c for c in charts(at) if title_text(c) == "training loss"]
+    assert len(loss) == 1 and loss[0]["encoding"]["y"]["field"] == "loss"
+
+
 # ----------------------------------------------------------------------------- Topology
 
 def test_topology_shows_the_cluster_and_edits_it(monkeypatch, runs_root):

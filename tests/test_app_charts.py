@@ -368,3 +368,15 @@ def test_runs_are_grouped_by_job_newest_first(tmp_path):
     assert [r.label for r in data.checkpoint_runs(tmp_path)] == ["demo/run", "handwritten-validation/runtime/rep-0"]
     only_runs = data.jobs_first(data.list_runs(tmp_path, kinds=("run",)))
     assert only_runs[0].label == "demo/run" and only_runs[1].label == "demo/simulate"
+
+
+def test_loss_chart_and_job_line_of_a_runtime_summary():
+    summary = {"start_step": 10, "losses": [3.0, 2.5, 2.25],
+               "job": {"entry": "runtime.job_gpt:job", "config": {f"k{i}": i for i in range(10)}, "params": 136_960}}
+    spec = charts.loss_chart(summary).to_dict()
+    assert [r["step"] for r in spec["data"]["values"]] == [11, 12, 13]
+    assert [r["loss"] for r in spec["data"]["values"]] == [3.0, 2.5, 2.25]
+    assert data.job_line(summary) == ("job runtime.job_gpt:job (k0=0, k1=1, k2=2, k3=3, k4=4, k5=5, k6=6, k7=7, ...), "
+                                      "136,960 parameters")
+    assert data.job_line({"tool": "twin"}) is None
+    assert data.job_line({"job": {"entry": "m:f", "config": {}, "params": None}}) == "job m:f"

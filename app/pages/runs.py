@@ -62,6 +62,10 @@ if latest is not None:
     cols[2].metric("faults", h["faults"])
     cols[3].metric("restarts", data.fmt(h["restarts"], "d"))
     st.altair_chart(charts.timeline_chart(events, summary, title=latest.label), width="content")
+    job = data.job_line(summary)
+    if job is not None:  # a runtime run: its job and its loss
+        st.caption(job)
+        st.altair_chart(charts.loss_chart(summary), width="content")
 latest_validation = next((r for r in jobs if r.kind == "validation"), None)
 if latest_validation is not None:
     try:

@@ -48,7 +48,7 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
                  resume: str | Path | None = None, no_faults: bool = False, allow_config_change: bool = False,
                  progress: bool = True, host: str = "127.0.0.1", spawn: bool = True, hangs: str | None = None,
                  device: str = "cpu", backend: str = "gloo", data_root: str | None = None,
-                 recover: dict | None = None, incarnation: int = 0):
+                 job_dir: str | None = None, recover: dict | None = None, incarnation: int = 0):
         """A child of the supervisor (runtime/supervisor.py): `link` to it, `endpoints` it
         holds (the control port's listening fd on `host`, the store's port), the job's secret
         in KEEL_JOB_SECRET, and for a successor `recover` (succession.py)."""
@@ -60,7 +60,7 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
         self.ckpt_dir = self.out / "checkpoints"
         self.progress = progress
         self.spawn_local = spawn
-        self.welcome = {"device": device, "backend": backend, "data_root": data_root,
+        self.welcome = {"device": device, "backend": backend, "data_root": data_root, "job_dir": job_dir,
                         "allow_config_change": allow_config_change}
         self.allow_config_change = allow_config_change
         self.emulated = scenario.emulation.enabled
@@ -68,6 +68,7 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
         self.emu_stats = {"reports": 0, "overruns": 0, "compute_overruns": 0, "late_s": 0.0, "worst_late_s": 0.0,
                           "warmup_reports": 0, "warmup_late_s": 0.0}
         self.config = scenario.plain()
+        self.job_params: int | None = None  # the job's trainable parameters, as the workers' `done` says
         self.config_hash = scenario.config_hash()
         self.policy = scenario.policy
         self.total = scenario.run.steps
@@ -319,6 +320,7 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
             "generations": self.gen + 1, "quarantine": sorted(self.quarantine),
             "coordinator_restarts": self.incarnation,
             "slot_map": {m: self.slot_map[m] for m in self.members},
+            "job": job_of(self.sc, self.job_params),
         })
         if self.emulated:
             st = dict(self.emu_stats)
@@ -368,12 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue the run in DIR from its newest checkpoint (docs/multihost.md)")
     args = p.parse_args(argv)
+    from runtime.api import job_dir_of
     try:
         sc = load(args.scenario, args.overrides)
         if args.resume:
             from keel.durable import check_resume_dir
             check_resume_dir(args.resume)
-        sup = Supervisor(sc, args.out, listen=args.listen, spawn=False, options={"no_faults": args.no_faults, "resume": args.resume})
+        sup = Supervisor(sc, args.out, listen=args.listen, spawn=False, options={"no_faults": args.no_faults, "resume": args.resume,
+                                                                                 "job_dir": job_dir_of(sc)})
         print(f"coordinator listening on {sup.host}:{sup.port}", file=sys.stderr, flush=True)
         summary = sup.run()
     except InputError as e:
@@ -415,3 +419,12 @@ def supervised_main(argv: list[str]) -> int:
     link.sock.setblocking(True)
     link.send(verdict)
     return 0
+
+
+def job_of(scenario: Scenario, params: int | None) -> dict[str, Any]:
+    """The summary's `job`: its entry, its config and its trainable parameters (as the workers
+    counted them; None when no worker reported)."""
+    import dataclasses
+    if scenario.job.entry:
+        return {"entry": scenario.job.entry, "config": scenario.job.config, "params": params}
+    return {"entry": "runtime.job_gpt:job", "config": dataclasses.asdict(scenario.model), "params": params}

@@ -75,6 +75,8 @@ class MessagesMixin:
 
     def _on_done(self, w: "WorkerState", msg: dict) -> None:
         w.done_sha = msg["sha256"]
+        if isinstance(msg.get("params"), int):
+            self.job_params = msg["params"]
         w.committed = int(msg["committed"])
         if self.phase == "finishing":
             self._check_finished()

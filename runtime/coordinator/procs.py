@@ -31,6 +31,14 @@ def _forkserver():
     return _FORKSERVER
 
 
+def preload_job(entry: str, job_dir: str | None) -> None:
+    """Have the fork server, when it starts, import the job's libraries (runtime/preload.py),
+    so a worker forked from it, a replacement included, does not import them again. A fork
+    server already running keeps what it has (its workers import the rest themselves)."""
+    if _FORKSERVER is None:
+        os.environ["KEEL_PRELOAD_JOB"] = f"{job_dir or ''}|{entry}"
+
+
 def forked_worker(address: str, node: str, log_path: str, secret: str) -> None:
     os.environ[SECRET_ENV] = secret  # this process's own environment: no command line shows it
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

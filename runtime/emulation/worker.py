@@ -9,12 +9,10 @@ import torch
 class EmulatedNodeMixin:
     def _warm_up(self) -> None:
         """Emulated: one forward and backward pass before joining, so the first step's compute
-        is not the small model's lazy set-up (a cost of the test bed, not of the cluster). The
+        is not the job's lazy set-up (a cost of the test bed, not of the cluster). The
         RNG and the gradients are left as they were."""
-        from runtime.model import slot_loss
         with torch.random.fork_rng(devices=[]):
-            b = self.loader.batch(0, 0)
-            slot_loss(self.model, b.x.to(self.device), b.y.to(self.device), b.w.to(self.device)).backward()
+            self.job.slot_vector(0, 0)  # the job's own slot (runtime/job_run.py)
         self.model.zero_grad(set_to_none=True)
 
     def _ring_ranks(self) -> tuple[tuple[int, ...], ...]:

@@ -1,0 +1,92 @@
+"""The examples of the job API (examples/, issue 26) under `keel run`, as a user runs them:
+faults absorbed with 0 restarts end bit-identical to the `--no-faults` run; a whole-job
+SIGKILL after a checkpoint, then `--resume`, ends bit-identical to the uninterrupted run (the
+transformers example: its LR scheduler travels in the checkpoint and to the hot spare)."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from runtime_helpers import REPO, keel, run_and_kill_after_checkpoint
+
+pytestmark = pytest.mark.timeout(300)
+
+LLAMA = REPO / "examples" / "tiny_llama" / "scenario.toml"
+RESNET = REPO / "examples" / "resnet_groupnorm" / "scenario.toml"
+CKPT = 8
+
+
+def keel_run(*args: str) -> dict:
+    out = subprocess.run(keel("run", *args, "--json"), capture_output=True, text=True, cwd=str(REPO), timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def assert_absorbed_bit_identical(faulty: dict, clean: dict, classes: list[str]) -> None:
+    assert faulty["restarts"] == 0 and clean["faults"] == []
+    assert [f["class"] for f in faulty["faults"]] == classes
+    assert all(f["action"] != "checkpoint_restart" for f in faulty["faults"])
+    assert faulty["losses"] == clean["losses"] and len(clean["losses"]) == 24
+    assert faulty["final_weights_sha256"] == clean["final_weights_sha256"]
+    assert clean["losses"][-1] < clean["losses"][0]  # it trains
+
+
+@pytest.fixture(scope="module")
+def llama_clean(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return keel_run(str(LLAMA), "--no-faults", "--out", str(tmp_path_factory.mktemp("llama") / "clean"))
+
+
+def test_transformers_example_absorbs_faults_bit_identical(tmp_path, llama_clean):
+    faulty = keel_run(str(LLAMA), "--out", str(tmp_path / "faulty"))
+    assert_absorbed_bit_identical(faulty, llama_clean, ["hardware_fault", "network_jitter"])
+
+
+def test_transformers_example_resumes_bit_identical_after_a_whole_job_kill(tmp_path, llama_clean):
+    first, second = tmp_path / "killed", tmp_path / "resumed"
+    run_and_kill_after_checkpoint(keel("run", str(LLAMA), "--out", str(first)), first, CKPT, timeout=200)
+    assert not (first / "summary.json").exists()
+    resumed = keel_run(str(LLAMA), "--out", str(second), "--resume", str(first))
+    assert resumed["start_step"] == CKPT and resumed["restarts"] == 0
+    assert resumed["losses"] == llama_clean["losses"][CKPT:]
+    assert resumed["final_weights_sha256"] == llama_clean["final_weights_sha256"]
+    meta = json.loads(next((first / "checkpoints").glob("step-*/optimizer_state.json")).read_text())
+    assert set(meta["extra"]) == {"scheduler"}  # the job's LambdaLR, saved with the optimizer
+
+
+def test_plain_pytorch_example_absorbs_faults_bit_identical(tmp_path):
+    clean = keel_run(str(RESNET), "--no-faults", "--out", str(tmp_path / "clean"))
+    faulty = keel_run(str(RESNET), "--out", str(tmp_path / "faulty"))
+    assert_absorbed_bit_identical(faulty, clean, ["hardware_fault", "network_jitter"])
+
+
+def test_profile_of_the_transformers_example(tmp_path):
+    """`keel profile`: the parameter count is the model's own (transformers' count), the wire
+    bytes are the reduction's buffers (one exponent byte per block of 32 of every tensor, the
+    loss's and the non-finite flag; then int32 per element and the loss), and --write puts
+    the measurements into a scenario that loads."""
+    pytest.importorskip("transformers")
+    import math
+
+    from keel import wire
+    from keel.cli import main as keel_main
+    from keel.scenario import load
+    from runtime.job_run import load_spec
+    sc = load(LLAMA)
+    spec = load_spec(sc)
+    model = spec.job.model(0, spec.config)
+    out = tmp_path / "profiled.toml"
+    assert keel_main(["profile", str(LLAMA), "--steps", "2", "--write", str(out), "--json"]) == 0
+    from runtime.profile import profile
+    measured = profile(sc, steps=1)
+    assert measured["params"]["value"] == model.num_parameters() == 51_360
+    blocks = sum(math.ceil(p.numel() / 32) for p in model.parameters())
+    assert measured["wire_rounds"]["value"] == [["max", blocks + 2, blocks + 2], ["sum", 51_361, 4 * 51_361]]
+    assert measured["wire_bytes"]["value"] == blocks + 2 + 4 * 51_361
+    assert measured["wire_bytes"]["value"] == sum(n * b for _, n, b in wire.rounds(51_360, "block32", "float32", 4, blocks + 1))
+    profiled = load(out)
+    assert profiled.workload.params == 51_360 and profiled.job.config == sc.job.config
+    assert load_spec(profiled).name.endswith("examples/tiny_llama/job.py:job")  # found from the written file
+    assert profiled.checkpoint.weights_bytes > 4 * 51_360 and profiled.workload.step_compute_s > 0
