@@ -83,8 +83,10 @@ def trial(tmp: Path, kind: str, rng: random.Random, reference: str) -> dict:
         m = re.search(rf"worker {node}: .*exiting \(code 3\) at step (\d+)", log)
         if m and kind != "oneway":  # one-way: it still hears the coordinator and may commit with the group
             minority += max(0, int(m.group(1)) - (max(cut_steps) + 1))
-    # the wait for the next commit after each cut, from the last commit before it
-    waits = [commits[s + 1] - commits[s] for s in cut_steps if s in commits and s + 1 in commits]
+    # the longest wait between commits over the few steps after each cut (the step in flight
+    # may have finished its collective before the cut: the stall then shows one step later)
+    waits = [commits[k + 1] - commits[k] for s in cut_steps for k in range(s, s + 3)
+             if k in commits and k + 1 in commits]
     # a cut is found after the timeout, or heals before it (a stall): either way the next commit
     # comes within the timeout and a re-formation, per cut since that commit
     bound = len(cut_steps) * DETECT_TIMEOUT_S + REFORM_BOUND_S
