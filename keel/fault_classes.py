@@ -62,6 +62,16 @@ class CoordinatorLoss:
                           "starts a successor); 0 = off", 0.0)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NetworkPartition:
+    per_day: float = _doc("network partitions per day over the cluster (a node or a region cut off from the "
+                          "rest: packets dropped, no reset, its processes alive); 0 = off", 0.0)
+    duration_s: float = _doc("seconds from the cut to its heal; 0 = it does not heal within the run. It must "
+                             "outlast policy.detect_timeout_s: the cut-off nodes are then counted lost", 0.0)
+    rejoin_hours: float = _doc("hours from the heal until the cut-off nodes' workers, told to leave, are "
+                               "started again and rejoin as spares", 0.5)
+
+
 # ----------------------------------------------------------------------------- targets
 # Each returns the message for a target `t` the scenario `s` does not have, or None.
 
@@ -103,6 +113,27 @@ def rack_size(e: Any, s: Any) -> tuple[str, str] | None:
     return None
 
 
+def _heals_too_soon(d: float, s: Any) -> str | None:
+    if 0 < d < s.policy.detect_timeout_s:
+        return (f"expected 0 (no heal within the run) or at least policy.detect_timeout_s "
+                f"({s.policy.detect_timeout_s:g} s): a cut that heals before it is found is a stall, "
+                f"which keel does not model yet; got {d:g}")
+    return None
+
+
+def outlasts_detection(e: Any, s: Any) -> tuple[str, str] | None:
+    """A scheduled cut's duration: it is found (by the heartbeat timeout) before it heals."""
+    d = e.duration_s if e.duration_s is not None else s.faults.network_partition.duration_s
+    problem = _heals_too_soon(d, s)
+    return ("duration_s", problem) if problem else None
+
+
+def table_outlasts_detection(table: Any, s: Any) -> tuple[str, str] | None:
+    """The same for the drawn cuts (the class table's duration)."""
+    problem = _heals_too_soon(table.duration_s, s) if table.per_day > 0 else None
+    return ("duration_s", problem) if problem else None
+
+
 def shard_number(target: str) -> int:
     """N of a data shard's target 'shard/N'."""
     return int(target.split("/")[1])
@@ -136,17 +167,18 @@ class FaultClass:
     rate_per_s: Callable[[Any, int], float]   # (table, nodes) -> drawn faults a second
     rate_label: str               # the dashboard's label for rate_key
     colour: str                   # in every chart
-    injection: str                # the runtime's mode: kill | jitter | poison | coordinator
+    injection: str                # the runtime's mode: kill | jitter | poison | coordinator | partition
     twin: str                     # module with its twin behaviour (twin/fault_kinds)
     runtime: str                  # module with its runtime behaviour (runtime/coordinator/injections)
     positive: tuple[tuple[str, bool], ...] = ()   # (table key, 0 allowed): its values' checks
     check_params: Callable[[Any, Any], tuple[str, str] | None] | None = None  # (entry, scenario) -> (key, error)
+    check_table: Callable[[Any, Any], tuple[str, str] | None] | None = None   # (table, scenario) -> (key, error)
     schedule_keys: tuple[str, ...] = ()   # a schedule entry's keys that override the table's
     target_optional: bool = False  # the target may be left out (there is only one)
     has_duration: bool = False     # an episode lasts a while (it may still be open at the run's end)
     stops_job: bool = True         # under checkpoint_restart it stops the job (else the run endures it)
     fails_without_quarantine: bool = False  # with policy.quarantine = false the run fails
-    node_loss: str | None = None   # nodes die: "kill" (one) or "rack" (several); names the twin's detect_<x>_s
+    node_loss: str | None = None   # nodes are lost: "kill" (one), "rack" (several), "partition" (cut off)
     shard_target: bool = False     # its target is a data shard
 
     def resolve(self, e: Any, faults: Any) -> tuple[str, dict[str, Any]]:
@@ -208,6 +240,18 @@ register(FaultClass(
     colour="#e377c2", injection="coordinator",
     twin="twin.fault_kinds.coordinator_loss", runtime="runtime.coordinator.injections.coordinator_loss",
     positive=(("per_day", True),), target_optional=True))
+
+register(FaultClass(
+    name="network_partition", table=NetworkPartition, doc="a node or a region cut off from the others",
+    # found only by the heartbeat timeout (no connection is reset), then absorbed as the loss of
+    # its nodes: their slots spread over the other regions; a cut-off worker commits nothing
+    absorb_action="shard_reweight_failover", target_hint="a region name or a node 'region/i'",
+    check_target=node_or_region_target, check_params=outlasts_detection, check_table=table_outlasts_detection,
+    rate_key="per_day", rate_per_s=per_day, rate_label="network partitions per day",
+    colour="#17becf", injection="partition",
+    twin="twin.fault_kinds.network_partition", runtime="runtime.coordinator.injections.network_partition",
+    positive=(("per_day", True), ("duration_s", True), ("rejoin_hours", True)),
+    schedule_keys=("duration_s",), node_loss="partition"))
 
 FAULT_CLASSES: tuple[str, ...] = tuple(REGISTRY)
 

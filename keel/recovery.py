@@ -245,7 +245,7 @@ class ResolvedFault:
     cls: str
     target: str
     spike_ms: float | None = None     # network_jitter
-    duration_s: float | None = None   # network_jitter
+    duration_s: float | None = None   # network_jitter, network_partition
     nodes: int | None = None          # partial_cluster_loss: how many of the region's live nodes
     shard: int | None = None          # data_shard_skew: the shard's number
 

@@ -114,7 +114,7 @@ def check(s: Scenario) -> None:
         if e.spike_ms is not None:
             positive(e.spike_ms, f"{key}.spike_ms", True)
         if e.duration_s is not None:
-            positive(e.duration_s, f"{key}.duration_s")
+            positive(e.duration_s, f"{key}.duration_s", dict(fc.positive).get("duration_s", False))
     p = s.policy
     positive(p.heartbeat_s, "policy.heartbeat_s")
     positive(p.detect_timeout_s, "policy.detect_timeout_s")
@@ -122,6 +122,8 @@ def check(s: Scenario) -> None:
         fail("policy.detect_timeout_s", f"expected at least policy.heartbeat_s ({p.heartbeat_s}), got {p.detect_timeout_s}")
     for fc in FC.classes():
         table = getattr(f, fc.name)
+        if fc.check_table is not None and (problem := fc.check_table(table, s)) is not None:
+            fail(f"faults.{fc.name}.{problem[0]}", problem[1])
         if not hasattr(table, "repair_hours"):
             continue
         repair_s = table.repair_hours * 3600.0

@@ -72,7 +72,7 @@ class ScheduledFault:
     target: str | None = _doc("region/i for a node, a region name, shard/N, or 'coordinator' "
                               "(coordinator_loss, the only class that may leave it out)", None)
     spike_ms: float | None = _doc("network_jitter: overrides faults.network_jitter.spike_ms", None)
-    duration_s: float | None = _doc("network_jitter: overrides faults.network_jitter.duration_s", None)
+    duration_s: float | None = _doc("network_jitter, network_partition: overrides the class table's duration_s", None)
     nodes: int | None = _doc("partial_cluster_loss: overrides faults.partial_cluster_loss.nodes", None)
 
 

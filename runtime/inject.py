@@ -12,6 +12,9 @@ class does; the coordinator's side of each is runtime/coordinator/injections/<cl
 - `data_shard_skew`: the target shard yields NaN weights from step `at_step + 1` (0-based
   index `at_step`) on: the loader is given it as `poisoned`. The poison is data, so it is part of
   every generation's description (a property of the shard, not a message racing the step).
+- `network_partition`: the target's live workers (a node, or a region's) frozen by SIGSTOP in
+  one loop: silent, no connection reset, found only by missing heartbeats, then fenced
+  (runtime/coordinator/injections/network_partition.py).
 - a hung worker: SIGSTOP, found by missing heartbeats. Not a scenario fault class; tests and
   benchmarks ask for it with `KEEL_INJECT_HANG="node@at_step[,node@at_step]"`.
 """
@@ -39,7 +42,7 @@ class Planned:
     cls: str
     target: str
     params: dict[str, Any]
-    mode: str = "kill"  # kill | hang | jitter | poison | coordinator
+    mode: str = "kill"  # kill | hang | jitter | poison | coordinator | partition
 
 
 def planned_faults(scenario: Scenario, no_faults: bool = False, extra_hangs: str | None = None) -> list[Planned]:

@@ -7,7 +7,8 @@ aborted (left a generation, with its committed step), ckpt_start, ckpt_end, done
 Coordinator -> worker: challenge, welcome (node name, resolved scenario, store address, the
 silence after which a worker gives its coordinator up), hb (at least every second), gen (a
 generation: rank, members, slot map, start step, state source), standby, abort, quarantine,
-jitter (injected network delay), kill (for workers the coordinator cannot signal), stop.
+jitter (injected network delay), kill and partition (injected, for workers the coordinator
+cannot signal: die; freeze until `heal_s` has passed), stop.
 
 A worker's death shows at once as EOF on its connection; a hung worker by missing heartbeats.
 A coordinator's death shows a worker EOF, and a hung or unreachable one silence: a worker exits

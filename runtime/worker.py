@@ -36,7 +36,7 @@ from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Wai
 from runtime.worker_checkpoint import CheckpointMixin
 from runtime.worker_link import CoordinatorLink, Refused, RejoinMixin, handshake
 from runtime.worker_state import StateMixin
-from runtime.worker_process import error_text, pick_device, set_pdeathsig
+from runtime.worker_process import error_text, freeze_self, pick_device, set_pdeathsig
 
 JOIN_WAIT_S = 60.0  # how long a new worker retries a coordinator that refuses connections (not up yet)
 
@@ -161,6 +161,8 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
                                 msg.get("scope", "node"))
             elif kind == "kill":
                 kill_self()
+            elif kind == "partition":
+                freeze_self(float(msg["heal_s"]))
             else:
                 self.inbox.put(msg)
 

@@ -18,6 +18,17 @@ def set_pdeathsig() -> None:
         pass
 
 
+def freeze_self(heal_s: float) -> None:
+    """A network partition emulated at the process boundary, on a worker no local coordinator
+    spawned: a detached waker sends SIGCONT `heal_s` from now, then the process stops itself.
+    Until then it sends nothing and resets nothing, as behind a real cut."""
+    import subprocess
+    subprocess.Popen(["/bin/sh", "-c", f"sleep {max(0.0, heal_s):.3f}; kill -CONT {os.getpid()}"],
+                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def error_text(e: BaseException, lines: int = 4) -> str:
     """What a worker's failure tells the user: the exception's type and the first lines of its
     message (a traceback's tail starts mid-sentence), and where it was raised."""

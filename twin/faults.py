@@ -104,11 +104,12 @@ class Faults:
         p = self.scenario.policy
         return R.action_for(fault, p.kind, p.quarantine)
 
-    def strike_nodes(self, fault: str, target: str, names: list[str], scheduled: bool, *, repair_s: float,
-                     detect_mean_s: float, list_nodes: bool = False) -> None:
-        """Kill the up nodes of `names` (a class's module says which: one node, or a rack's),
-        each repaired `repair_s` later; found `detect_mean_s` (a spread around it) later. The
-        fault event lists the nodes where `list_nodes`."""
+    def strike_nodes(self, fault: str, target: str, names: list[str], scheduled: bool, *, repair_s: float | None,
+                     detect_mean_s: float, list_nodes: bool = False, at_commit_s: float | None = None) -> None:
+        """Take the up nodes of `names` (a class's module says which: one node, a rack's, a
+        cut's), each back `repair_s` later (None: not within the run); found `detect_mean_s` (a
+        spread around it) later, or, struck right after a commit, `at_commit_s` (by default the
+        params' detect_at_commit_s). The fault event lists the nodes where `list_nodes`."""
         nodes = [self.cluster.nodes[n] for n in names if self.cluster.nodes[n].up]
         if not nodes:
             return
@@ -122,12 +123,13 @@ class Faults:
         self.sim.emit_episode("fault", fid, **detail)
         for n in nodes:
             self.cluster.update(n, up=False, role=None if n.role == "train" else "down")
-            self.env.process(self._repair(n, n.incarnation, repair_s))
+            if repair_s is not None:
+                self.env.process(self._repair(n, n.incarnation, repair_s))
         if holding:
-            p = self.params
-            if scheduled and p.detect_at_commit_s is not None:
-                # a crash right after a commit: the node's last message was its step report
-                delay = p.detect_at_commit_s
+            at_commit = at_commit_s if at_commit_s is not None else self.params.detect_at_commit_s
+            if scheduled and at_commit is not None:
+                # struck right after a commit: the node's last message was its step report
+                delay = at_commit
             else:
                 delay = self._detect_delay(detect_mean_s)
             self.env.process(self._detector(fid, delay))

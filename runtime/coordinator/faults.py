@@ -58,7 +58,7 @@ class FaultsMixin:
             if p.at_step < self.start_step:  # before the checkpoint we resumed from
                 self.fired += 1
                 continue
-            if p.mode in ("kill", "hang") and not after_announce and self.book.node_recovery_under_way(self.slot_map):
+            if p.mode in injections.NODE_LOSS_MODES and not after_announce and self.book.node_recovery_under_way(self.slot_map):
                 return  # it will land during the recovery, once the new generation is announced
             self.fired += 1
             if self._fire(p):

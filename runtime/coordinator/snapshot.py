@@ -24,6 +24,7 @@ from typing import Any
 from keel.durable import fsync_dir, write_synced
 from keel.events import Event, EventLogError, validate_event
 
+from runtime.coordinator import injections
 from runtime.coordinator.episodes import Episode, Stage
 from runtime.coordinator.workers import WorkerState
 
@@ -140,7 +141,7 @@ def _replay(c: Any, tail: list[Event]) -> None:
             ep = Episode(e.detail["fault_id"], e.fault, e.target, e.action, e.t, nodes=list(e.detail.get("nodes", ())))
             c.book.episodes[ep.fault_id] = ep
             for n in ep.nodes:
-                if e.detail.get("mode") in ("kill", "hang"):
+                if e.detail.get("mode") in injections.NODE_LOSS_MODES:
                     c.book.killed[n] = ep.fault_id
             if "planned" in e.detail:
                 c.fired = max(c.fired, int(e.detail["planned"]) + 1)
