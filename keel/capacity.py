@@ -69,6 +69,64 @@ def min_time_scale(slot_s: float, step_compute_s: float, speed: float, workers: 
     return CORE_MARGIN * slot_s * share * speed / step_compute_s
 
 
+# ----------------------------------------------------------------------------- the probe's figure
+
+# Compute is not all of a step's real work: the reduction's messages (gloo over loopback, each
+# round waiting on its peer), the link emulator, the step reports and the coordinator's
+# confirmations cost real time too, and on a shared machine mostly as latency, not CPU
+# (local-8, 7 workers, 5 Dec: a 4-5 ms slot, yet 0.1-0.19 s of wall per step flat out). So the
+# emulated cluster itself is run briefly before the real run (runtime/capacity.py: a few
+# fault-free steps at a time scale no machine keeps, every step late), and the wall time its
+# steps take here, `probe_step_s`, is set against the wall time the scenario gives a step.
+
+AUTO_HEADROOM = 1.5              # "auto" picks this much above the measured need: the machine's load moves
+SCALE_LADDER = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)  # "auto" picks from these x 10^k, so repeated picks agree
+                                               # (a calibration holds for one time scale)
+
+
+def step_floor_s(slots: int, step_compute_s: float, speeds: list[float]) -> float:
+    """A lower bound on the emulated cluster's fault-free step (emulated seconds): its slots'
+    compute spread over the training nodes at their speeds. The reduction only adds to it, so
+    a scale judged against it errs on the slow, faithful side."""
+    return slots * step_compute_s / sum(speeds)
+
+
+def probe_time_scale(probe_step_s: float, floor_s: float) -> float:
+    """The smallest time scale at which a step's measured real work (`probe_step_s`, wall
+    seconds, flat out) fits the wall time the scenario gives the step (at least `floor_s`)."""
+    return probe_step_s / floor_s
+
+
+def probe_fits(time_scale: float, probe_step_s: float, floor_s: float, workers: int, cores: int) -> str | None:
+    """Why the emulation cannot keep its time at `time_scale`, by the probe (with the scale that
+    would do), or None."""
+    need = probe_time_scale(probe_step_s, floor_s)
+    if time_scale >= need:
+        return None
+    return (f"emulation.time_scale {time_scale:g} is faster than this machine keeps: a step of {workers} emulated "
+            f"workers on {cores} cores takes {probe_step_s * 1000:.3g} ms of real work here (measured, a short "
+            f"fault-free probe), and the scenario gives a step {floor_s * time_scale * 1000:.3g} ms of wall time "
+            f"(its compute alone); a faithful emulation needs time_scale >= {round_up_scale(need):g}; with "
+            f"headroom for this machine's load: --set emulation.time_scale={auto_time_scale(need):g} "
+            f"(or emulation.time_scale = \"auto\")")
+
+
+def ladder_up(x: float) -> float:
+    """The smallest SCALE_LADDER value x 10^k at or above `x`."""
+    e = math.floor(math.log10(x))
+    for k in (e, e + 1):
+        for rung in SCALE_LADDER:
+            v = round(rung * 10.0 ** k, 12)
+            if v >= x * (1 - 1e-12):
+                return v
+    raise AssertionError(x)
+
+
+def auto_time_scale(need: float) -> float:
+    """The time scale "auto" picks for a measured need: AUTO_HEADROOM above it, on the ladder."""
+    return ladder_up(AUTO_HEADROOM * need)
+
+
 def round_up_scale(x: float) -> float:
     """A time scale to suggest: `x` rounded up to two significant figures."""
     if x <= 0:

@@ -24,7 +24,11 @@ def _positive(value: int, flag: str) -> int:
 def calibrate(args: Any) -> int:
     from planner import calibrate as C
     quick = getattr(args, "quick", False) or os.environ.get(QUICK_ENV, "") not in ("", "0")
-    cal = C.calibrate(quick=quick, base=args.loaded, progress=True)
+    base = args.loaded
+    if base.emulation.time_scale == "auto":  # calibrate runs emulated at the scale this machine keeps
+        from runtime.capacity import check_machine
+        base = check_machine(base.with_overrides({"emulation.enabled": True}), "keel calibrate")
+    cal = C.calibrate(quick=quick, base=base, progress=True)
     path = C.write(cal, args.out)
     if args.json:
         print_json(cal)
@@ -39,7 +43,7 @@ def validate(args: Any) -> int:
     scenario = args.loaded
     out = Path(args.out or f"runs/validate-{scenario.run.name}")
     from runtime.capacity import check_machine
-    check_machine(V.emulated(scenario), "keel validate")  # an unfaithful emulation is refused before any repetition
+    scenario = check_machine(V.prepare(scenario), "keel validate")  # an unfaithful emulation is refused before any run
     from keel.rundir import RunDirLock
     with RunDirLock(out):  # one validation per directory (each repetition's run locks its own)
         comparison = V.validate(scenario, out_dir=out, calibration=args.calibration, progress=True)
