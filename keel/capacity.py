@@ -145,5 +145,6 @@ def time_scale_fits(time_scale: float, slot_s: float, step_compute_s: float, spe
     return (f"emulation.time_scale {time_scale:g} is faster than this machine keeps: a slot's real compute "
             f"takes {slot_s * 1000:.3g} ms here (measured), {workers} workers share {cores} cores, and the "
             f"scenario gives a slot {step_compute_s / speed * time_scale * 1000:.3g} ms of wall time; "
-            f"a faithful emulation needs time_scale >= {round_up_scale(need):g} "
-            f"(--set emulation.time_scale={round_up_scale(need):g})")
+            f"a faithful emulation needs time_scale >= {round_up_scale(need):g} for the compute alone "
+            f"(--set emulation.time_scale={round_up_scale(need):g} or more; emulation.time_scale = \"auto\" "
+            f"measures the whole step)")
