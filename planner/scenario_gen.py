@@ -133,6 +133,12 @@ def _schedule(rng: random.Random, regions: list[dict[str, Any]], spares: int, tr
 
 def generate(seed: int, index: int, max_nodes: int = 40) -> tuple[Scenario, dict[str, Any]]:
     """Member `index` of family `seed`: the scenario and its features (labels for the report)."""
+    raw, features = draw(seed, index, max_nodes)
+    return from_dict(raw, f"<sweep {seed}/{index}>"), features
+
+
+def draw(seed: int, index: int, max_nodes: int = 40) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Member `index` of family `seed` as the keys drawn (a scenario file's tables) and its features."""
     rng = random.Random(f"keel-sweep/{seed}/{index}")
     max_nodes = max(4, min(40, max_nodes))
     regions = _regions(rng, max_nodes)
@@ -170,7 +176,6 @@ def generate(seed: int, index: int, max_nodes: int = 40) -> tuple[Scenario, dict
         "emulation": {"time_scale": "auto"},
         "validate": {"repetitions": 2, "steps": steps},
     }
-    scenario = from_dict(raw, f"<sweep {seed}/{index}>")
     features = {
         "nodes": "4-8 nodes" if total <= 8 else "9-20 nodes" if total <= 20 else "21-40 nodes",
         "regions": f"{len(regions)} regions",
@@ -183,7 +188,7 @@ def generate(seed: int, index: int, max_nodes: int = 40) -> tuple[Scenario, dict
         "straggler": f"straggler x{raw['policy']['straggler_factor']:g} for {raw['policy']['straggler_window']}",
         "faults": labels,
     }
-    return scenario, features
+    return raw, features
 
 
 def toml_text(scenario: Scenario, features: dict[str, Any]) -> str:
