@@ -72,7 +72,8 @@ def run_member(seed: int, index: int, out: Path, max_nodes: int, quick: bool, ti
     (out / "logs" / f"{name}.stderr").write_text(stderr)
     comparison = vdir / "comparison.json"
     c = json.loads(comparison.read_text()) if comparison.exists() and rc in (0, 1) else None
-    last = next((line for line in reversed(stderr.splitlines()) if line.startswith("keel:")), "")
+    tail = stderr.strip().splitlines()[-1:] if rc != 0 else []
+    last = tail[0] if tail and tail[0].startswith(("keel:", "sweep:")) else ""  # why it stopped
     if rc == 0 and c:
         verdict = "pass"
     elif rc == 1 and c:
