@@ -69,20 +69,22 @@ class Topology:
         self._region_graph.add_nodes_from((r, self.graph.nodes[r]) for r in self.region_names)
         self._region_graph.add_edges_from((a, b, d) for a, b, d in self.graph.edges(data=True)
                                           if a in names and b in names)
-        self._route_cache: dict[tuple[str, str], tuple[float, tuple[frozenset, ...], float]] = {}
+        self._route_cache: dict[tuple[str, str], tuple[float, tuple[tuple[str, str], ...], float]] = {}
         self._ring_cache: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._cost_cache: dict[tuple[tuple[str, int], ...], ReductionCost] = {}
         self._spike_cache: dict[tuple, float] = {}
         self._chain_cache: dict[tuple, dict[str, tuple[float, float]]] = {}
 
     # -- routing over the links between regions
-    def route(self, a: str, b: str) -> tuple[float, tuple[frozenset, ...], float]:
-        """(one-way latency s, the links used, jitter s) of the lowest-latency path a -> b
-        (keel.hardware.route, the runtime's emulation routes its messages by it too)."""
-        key = (a, b) if a <= b else (b, a)
+    def route(self, a: str, b: str) -> tuple[float, tuple[tuple[str, str], ...], float]:
+        """(one-way latency s, the links crossed as (from, to), jitter s) of the lowest-latency
+        path a -> b (keel.hardware.route, the runtime's emulation routes its messages by it too).
+        A link is full duplex: traffic a -> b and b -> a do not share its bandwidth, so the
+        links are kept with their direction."""
+        key = (a, b)
         if key not in self._route_cache:
-            r = hardware.route(self.scenario, key[0], key[1])
-            self._route_cache[key] = (r.latency_s, r.links, r.jitter_s)
+            r = hardware.route(self.scenario, a, b)
+            self._route_cache[key] = (r.latency_s, r.hops, r.jitter_s)
         return self._route_cache[key]
 
     def region_ring(self, regions: Iterable[str]) -> tuple[str, ...]:
@@ -172,8 +174,8 @@ class Topology:
         ring = self.region_ring(list(shape))
         R = len(ring)
         edges = list(zip(ring, ring[1:] + ring[:1])) if R > 1 else []
-        uses: dict[frozenset, int] = {}
-        for a, b in (edges[:1] if R == 2 else edges):
+        uses: dict[tuple[str, str], int] = {}  # ring edges routed over each link, per direction
+        for a, b in edges:
             for link in self.route(a, b)[1]:
                 uses[link] = uses.get(link, 0) + 1
         fixed, per_byte = {}, {}  # what region a's piece takes to reach the next region
@@ -185,7 +187,7 @@ class Topology:
             fixed[a], per_byte[a] = hardware.message_latency_s(self.scenario, a, b) + extra, 1.0 / R / bandwidth
         nxt = dict(edges)
         pairs = [(a, b) for a in ring for b in ring if a != b]
-        flows: dict[frozenset, int] = {}
+        flows: dict[tuple[str, str], int] = {}  # pairs routed over each link, per direction
         for a, b in pairs:
             for link in self.route(a, b)[1]:
                 flows[link] = flows.get(link, 0) + 1
