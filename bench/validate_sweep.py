@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -90,15 +91,21 @@ def run_member(seed: int, index: int, out: Path, max_nodes: int, quick: bool, ti
               "exit_code": rc, "seconds": round(seconds, 1), "time_scale": float(chosen) if chosen else None,
               "reason": last}
     if c:
-        record.update(downtime_median_rel_err=c["downtime_median_rel_err"], wall_rel_err=c["wall_s"]["rel_err"],
-                      passes=c["pass"], tolerances=c["tolerances"],
-                      faults=[{"class": f["class"], "target": f["target"], "downtime_rel_err": f["downtime_rel_err"],
-                               "cost_rel_err": f["cost_rel_err"], "predicted_s": f["predicted"]["downtime_s"],
-                               "observed_s": f["observed"]["downtime_s"]} for f in c["faults"]])
+        record.update(judged(c))
     if verdict != "pass":
         (out / "failing").mkdir(exist_ok=True)
         shutil.copy(path, out / "failing" / path.name)
     return record
+
+
+def judged(c: dict) -> dict:
+    """What the report keeps of a comparison.json."""
+    return {"downtime_median_rel_err": c["downtime_median_rel_err"], "wall_rel_err": c["wall_s"]["rel_err"],
+            "step_rel_err": c["step_time_s"]["rel_err"], "passes": c["pass"], "tolerances": c["tolerances"],
+            "faults": [{"class": f["class"], "target": f["target"], "action": f.get("action"),
+                        "downtime_rel_err": f["downtime_rel_err"], "cost_rel_err": f["cost_rel_err"],
+                        "predicted_s": f["predicted"]["downtime_s"], "observed_s": f["observed"]["downtime_s"]}
+                       for f in c["faults"]]}
 
 
 # ----------------------------------------------------------------------------- the report
@@ -132,7 +139,8 @@ def summarise(records: list[dict], seed: int) -> dict:
                      for k, v in sorted(by_class.items())},
         "by_feature": {k: {v: {"members": len(rs), "passed": sum(r["verdict"] == "pass" for r in rs),
                                "median_of_median_rel_err": statistics.median(r["downtime_median_rel_err"] for r in rs),
-                               "median_wall_rel_err": statistics.median(r["wall_rel_err"] for r in rs)}
+                               "median_wall_rel_err": statistics.median(r["wall_rel_err"] for r in rs),
+                               "median_step_rel_err": statistics.median(r.get("step_rel_err", math.nan) for r in rs)}
                            for v, rs in sorted(vals.items())}
                        for k, vals in by_feature.items()},
     }
@@ -142,24 +150,24 @@ def markdown(records: list[dict], s: dict) -> str:
     lines = [f"# Validation sweep: seed {s['seed']}, {s['members']} members", "",
              "verdicts: " + ", ".join(f"{v} {n}" for v, n in s["counts"].items()),
              f"pass rate over the judged members: {_pct(s['pass_rate'])}", "",
-             "| member | verdict | time scale | downtime median error | worst fault | wall | faults | time |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| member | verdict | time scale | downtime median error | worst fault | wall | fault-free step | faults | time |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         worst = max((f["downtime_rel_err"] for f in r.get("faults", [])), default=None)
         faults = ", ".join(r["features"]["faults"])
         lines.append(f"| {r['name']} | {r['verdict']} | {r['time_scale'] or '-'} | "
                      f"{_pct(r.get('downtime_median_rel_err'))} | {_pct(worst)} | {_pct(r.get('wall_rel_err'))} | "
-                     f"{faults} | {r['seconds']:.0f} s |")
+                     f"{_pct(r.get('step_rel_err'))} | {faults} | {r['seconds']:.0f} s |")
     lines += ["", "| fault class | faults | within fault_rel_tol | downtime error: median (max) |", "|---|---|---|---|"]
     for k, v in s["by_class"].items():
         lines.append(f"| {k} | {v['faults']} | {v['within_tolerance']} | {_pct(v['median_rel_err'])} "
                      f"({_pct(v['max_rel_err'])}) |")
-    lines += ["", "| feature | value | members | passed | median downtime error | median wall error |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| feature | value | members | passed | median downtime error | median wall error | median step error |",
+              "|---|---|---|---|---|---|---|"]
     for k, vals in s["by_feature"].items():
         for v, x in vals.items():
             lines.append(f"| {k} | {v} | {x['members']} | {x['passed']} | {_pct(x['median_of_median_rel_err'])} | "
-                         f"{_pct(x['median_wall_rel_err'])} |")
+                         f"{_pct(x['median_wall_rel_err'])} | {_pct(x['median_step_rel_err'])} |")
     not_judged = [r for r in records if r["verdict"] not in ("pass", "fail")]
     if not_judged:
         lines += ["", "Not judged:"] + [f"- {r['name']} ({r['verdict']}): {r['reason']}" for r in not_judged]
@@ -194,8 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) / f"seed-{args.seed}"
     out.mkdir(parents=True, exist_ok=True)
     log = out / "members.jsonl"
-    if args.again:
+    if args.again:  # the members' comparisons re-read: a report of the same runs by a newer version of this script
         records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        for r in records:
+            comparison = out / r["name"] / "comparison.json"
+            if r["verdict"] in ("pass", "fail") and comparison.exists():
+                r.update(judged(json.loads(comparison.read_text())))
     else:
         records = []
         log.write_text("")
