@@ -212,3 +212,25 @@ def test_the_twins_collective_on_generated_clusters(seed, index, max_nodes):
         active[m.rsplit("/", 1)[0]] = active.get(m.rsplit("/", 1)[0], 0) + 1
     emulated = _emulated_collective_s(sc, members)
     assert Topology(sc).reduction(active).seconds(wire.scenario_bytes(sc)) == pytest.approx(emulated, rel=0.04)
+
+
+# node spikes on generated members: the twin priced a node's spike as its region's worst chain
+# (every message the region sends spiked), 25-62 % over the emulated delay on these; the
+# reduction's plan (keel.collective.spike_crossings) says how many of the node's messages the
+# longest chain crosses
+NODE_SPIKES = [(7, 2, 8, "us-east/1", 0.225), (7, 3, 8, "us-west/0", 0.395), (7, 5, 8, "us-west/1", 0.056),
+               (1, 9, 40, "us-east/0", 0.551)]
+
+
+@pytest.mark.parametrize("seed,index,max_nodes,node,spike_s", NODE_SPIKES)
+def test_a_node_spike_costs_what_it_does_to_the_reduction(seed, index, max_nodes, node, spike_s):
+    from planner.scenario_gen import generate
+    from twin.topology import Topology
+    sc, _ = generate(seed, index, max_nodes)
+    members = sc.node_names[: sc.training_nodes]
+    active: dict[str, int] = {}
+    for m in members:
+        active[m.rsplit("/", 1)[0]] = active.get(m.rsplit("/", 1)[0], 0) + 1
+    emulated = _emulated_collective_s(sc, members, (node, spike_s)) - _emulated_collective_s(sc, members)
+    twin = Topology(sc).spike_delay_s(node, spike_s, active, members)
+    assert emulated - 0.01 <= twin <= emulated * 1.05 + 0.005
