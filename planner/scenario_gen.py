@@ -28,7 +28,8 @@ from keel.scenario_load import from_dict
 
 REGION_NAMES = ("us-east", "us-west", "eu-west", "eu-north", "ap-southeast", "ap-northeast")
 FAULT_GAP_STEPS = 5      # steps between two scheduled faults: one episode is over before the next
-LEAD_STEPS = 3           # fault-free steps before the first fault (the pace the metrics compare with)
+LEAD_STEPS = 6           # fault-free steps before the first fault: the runtime takes its pace from at
+                         # least 3 full-membership intervals after 2 of warm-up (keel.metrics)
 TAIL_STEPS = 4           # steps after the last fault
 
 
