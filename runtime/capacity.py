@@ -51,9 +51,10 @@ PROBE_SCALE = 1e-3   # the probe's time scale: no machine keeps it, so every ste
 PROBE_STEPS = 8      # the probe's steps; the first two (the connections' set-up) are not counted
 
 
-def probe_step_seconds(scenario: Scenario) -> float:
-    """The wall time one fault-free step of this emulated cluster takes here flat out (the
-    median over the probe's steps after the first two): the scenario run emulated for
+def probe_step_seconds(scenario: Scenario) -> tuple[float, float]:
+    """The wall time one fault-free step of this emulated cluster takes here flat out: the
+    median and the slowest of the probe's steps after the first two (the slowest shows how
+    far this machine's load makes a step wander). The scenario run emulated for
     PROBE_STEPS steps at PROBE_SCALE, no fault injected, no checkpoint, heartbeats and the
     detection timeout kept at sane wall times (0.25 s, 3 s)."""
     import tempfile
@@ -71,7 +72,7 @@ def probe_step_seconds(scenario: Scenario) -> float:
         commits = [e.t for e in read_events(tmp) if e.kind == "step"]
     gaps = sorted((b - a) * PROBE_SCALE for a, b in zip(commits[2:], commits[3:]))
     assert gaps, f"the probe committed {len(commits)} steps"
-    return gaps[len(gaps) // 2]
+    return gaps[len(gaps) // 2], gaps[-1]
 
 
 def check_machine(scenario: Scenario, what: str = "keel run", progress: bool = True) -> Scenario:
@@ -99,7 +100,7 @@ def check_machine(scenario: Scenario, what: str = "keel run", progress: bool = T
     if progress:
         print(f"keel: measuring how fast this machine runs the {workers} emulated workers "
               f"({PROBE_STEPS} fault-free steps flat out)", file=sys.stderr)
-    step_s = probe_step_seconds(scenario)
+    step_s, slowest_s = probe_step_seconds(scenario)
     floor_s = capacity.step_floor_s(scenario.slot_count, w.step_compute_s, training_speeds(scenario))
     if not auto:
         why = capacity.probe_fits(scale, step_s, floor_s, workers, machine.cores)
@@ -107,11 +108,12 @@ def check_machine(scenario: Scenario, what: str = "keel run", progress: bool = T
             raise InputError(f"{scenario.source}: {why}; refused before {what} starts anything")
         return scenario
     need = max(capacity.min_time_scale(slot_s, w.step_compute_s, speed, workers, machine.cores),
-               capacity.probe_time_scale(step_s, floor_s))
+               capacity.probe_time_scale(slowest_s, floor_s))  # auto keeps even the slowest probed step
     chosen = capacity.auto_time_scale(need)
     if progress:
         print(f"keel: emulation.time_scale auto -> {chosen:g} (a step takes {step_s * 1000:.3g} ms of real work "
-              f"here, the scenario's compute {floor_s * 1000:.3g} ms of emulated time; needs >= "
+              f"here, {slowest_s * 1000:.3g} ms the slowest, the scenario's compute {floor_s * 1000:.3g} ms of "
+              f"emulated time; needs >= "
               f"{capacity.round_up_scale(need):g}, x{capacity.AUTO_HEADROOM:g} for headroom)", file=sys.stderr)
     return dataclasses.replace(scenario, emulation=dataclasses.replace(scenario.emulation, time_scale=chosen))
 

@@ -113,7 +113,7 @@ def test_check_machine_with_given_measurements(monkeypatch, capsys):
     monkeypatch.setattr(rc.capacity, "this_machine", lambda: TWO_CORES)
     monkeypatch.setattr(rc, "slot_seconds", lambda *a: 0.004)
     probes = []
-    monkeypatch.setattr(rc, "probe_step_seconds", lambda sc: probes.append(sc) or 0.074)
+    monkeypatch.setattr(rc, "probe_step_seconds", lambda sc: probes.append(sc) or (0.074, 0.09))
     local8 = load(REPO / "scenarios" / "local-8.toml", ["emulation.enabled=true"])
     with pytest.raises(InputError, match="for the compute alone"):  # 1.0 < 1.4: no probe needed
         rc.check_machine(local8)
@@ -122,8 +122,9 @@ def test_check_machine_with_given_measurements(monkeypatch, capsys):
         rc.check_machine(local8.with_overrides({"emulation.time_scale": 1.7}))
     assert rc.check_machine(local8.with_overrides({"emulation.time_scale": 3.5})).emulation.time_scale == 3.5
     chosen = rc.check_machine(local8.with_overrides({"emulation.time_scale": "auto"}))
-    assert chosen.emulation.time_scale == 5.0 and chosen.workload == local8.workload
-    assert "emulation.time_scale auto -> 5" in capsys.readouterr().err
+    # auto keeps the slowest probed step: 0.09 s against 22.9 ms of compute, x1.5: 5.9 -> 7
+    assert chosen.emulation.time_scale == 7.0 and chosen.workload == local8.workload
+    assert "emulation.time_scale auto -> 7" in capsys.readouterr().err
     assert rc.check_machine(load(REPO / "scenarios" / "local-8.toml")) .emulation.time_scale == 1.0  # not emulated
 
 
