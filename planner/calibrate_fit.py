@@ -36,6 +36,16 @@ HOW = {
 }
 
 
+QUICK_ENV = "KEEL_CALIBRATE_QUICK"  # "1": fewer repetitions (tests, the validation sweep)
+
+
+def quick_from_env() -> bool:
+    """Whether $KEEL_CALIBRATE_QUICK asks for a calibration's quick mode (keel calibrate, and
+    the calibration keel validate measures when none is given or found)."""
+    import os
+    return os.environ.get(QUICK_ENV, "") not in ("", "0")
+
+
 def generation_mean_step_s(events: Sequence[Any], gen: int) -> float | None:
     """The mean step of generation `gen` past its first commit (the redone step) and up to
     the next fault: what the twin takes for the step a recovery redoes, at the membership it

@@ -12,7 +12,7 @@ from typing import Any
 from keel.errors import InputError
 from keel.rundir import print_json, write_json
 
-QUICK_ENV = "KEEL_CALIBRATE_QUICK"  # "1": fewer repetitions and shorter runs (tests)
+from planner.calibrate_fit import QUICK_ENV, quick_from_env  # noqa: F401 (QUICK_ENV: its documented name)
 
 
 def _positive(value: int, flag: str) -> int:
@@ -23,7 +23,7 @@ def _positive(value: int, flag: str) -> int:
 
 def calibrate(args: Any) -> int:
     from planner import calibrate as C
-    quick = getattr(args, "quick", False) or os.environ.get(QUICK_ENV, "") not in ("", "0")
+    quick = getattr(args, "quick", False) or quick_from_env()
     base = args.loaded
     if base.emulation.time_scale == "auto":  # calibrate runs emulated at the scale this machine keeps
         from runtime.capacity import check_machine

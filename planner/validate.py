@@ -49,7 +49,8 @@ def resolve_calibration(path: str | None, out_dir: Path, progress: bool, scenari
               file=sys.stderr)
     if measure is None:
         from planner.calibrate import calibrate as measure
-    cal = measure(base=scenario, progress=progress)
+    from planner.calibrate_fit import quick_from_env
+    cal = measure(base=scenario, progress=progress, **({"quick": True} if quick_from_env() else {}))
     K.write(cal, target)
     return cal, str(target), "measured"
 
