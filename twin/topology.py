@@ -178,13 +178,20 @@ class Topology:
         for a, b in edges:
             for link in self.route(a, b)[1]:
                 uses[link] = uses.get(link, 0) + 1
-        fixed, per_byte = {}, {}  # what region a's piece takes to reach the next region
+        # what region a's piece G_k takes to reach the next region: its share of the links, and
+        # its owners' NICs: only the owners whose chunk overlaps G_k carry it, the busiest
+        # `piece_share` of it (keel/collective.py's plan), on both sides
+        pos = {r: i for i, r in enumerate(ring)}
+        fixed, per_byte = {}, {}
         for a, b in edges:
             links = self.route(a, b)[1]
-            bandwidth = min([self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] / uses[l] for l in links]
-                            + [shape[x] * self._regions[x].intra_gbit_s * GBIT for x in (a, b)])
+            link_bw = min((self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] / uses[l] for l in links),
+                          default=math.inf)
             extra = max((sp[1] for sp in (node_spike, region_spike) if sp is not None and sp[0] == a), default=0.0)
-            fixed[a], per_byte[a] = hardware.message_latency_s(self.scenario, a, b) + extra, 1.0 / R / bandwidth
+            fixed[a] = hardware.message_latency_s(self.scenario, a, b) + extra
+            per_byte[a] = [1.0 / R / min([link_bw] + [self._regions[x].intra_gbit_s * GBIT
+                                                       / collective.piece_share(shape[x], R, k) for x in (a, b)])
+                           for k in range(R)]
         nxt = dict(edges)
         pairs = [(a, b) for a in ring for b in ring if a != b]
         flows: dict[tuple[str, str], int] = {}  # pairs routed over each link, per direction
@@ -206,10 +213,11 @@ class Topology:
                     sent = dict(clock)
                     for a, b in pairs:
                         clock[b] = max(clock[b], sent[a] + x_fixed[a, b] + nbytes * x_per_byte[a, b])
-                for _ in range(2 * (R - 1) if not exchange else 0):
+                for step in range(2 * (R - 1) if not exchange else 0):
                     sent = dict(clock)
-                    for a in ring:
-                        clock[nxt[a]] = max(clock[nxt[a]], sent[a] + fixed[a] + nbytes * per_byte[a])
+                    for a in ring:  # the reduce-scatter sends G_(a - s), the all-gather G_(a + 1 - s)
+                        k = (pos[a] - step) % R if step < R - 1 else (pos[a] + 1 - (step - (R - 1))) % R
+                        clock[nxt[a]] = max(clock[nxt[a]], sent[a] + fixed[a] + nbytes * per_byte[a][k])
                 end = {r: clock[r] + intra(r, nbytes) for r in shape}
             return max(t for t in end.values() if t > -math.inf)
         return {start: chain(start) for start in shape}
