@@ -1,8 +1,7 @@
 """The hierarchical all-reduce's plan: which message goes from which rank to which, step by
 step (runtime/emulation/hier.py sends it for real and says how it is built). A pure function
-of the ring's membership, so the twin can read the plan's dependency structure too: how often
-the longest chain of dependent messages crosses one node's sends (`spike_crossings`, the cost
-of a latency spike on that node) without importing the runtime."""
+of the ring's membership, so the twin can follow the plan too (twin/topology.py: a latency
+spike on one node, at node level) without importing the runtime."""
 from __future__ import annotations
 
 import functools
@@ -96,18 +95,3 @@ def piece_share(n: int, pieces: int, k: int) -> float:
     share of G_k's bytes the busiest owner sends, or receives, in a ring step carrying G_k."""
     lo, hi = k / pieces, (k + 1) / pieces
     return max(max(0.0, min(hi, (i + 1) / n) - max(lo, i / n)) for i in range(n)) * pieces
-
-
-def spike_crossings(regions: Sequence[Sequence[int]], node: int, exchanges: Sequence[bool],
-                    length: int = 1 << 20) -> int:
-    """How many of `node`'s messages the longest chain of dependent messages crosses, over a
-    step's all-reduces (one plan per entry of `exchanges`, run one after the other), every rank
-    starting together: a latency spike of s on the node's sends delays the collective by about
-    this many times s (exactly, where s dominates the messages' own times)."""
-    clock = {r: 0 for group in regions for r in group}
-    for exchange in exchanges:
-        for step in plan_for(tuple(tuple(g) for g in regions), length, exchange):
-            sent = dict(clock)
-            for m in step.msgs:
-                clock[m.dst] = max(clock[m.dst], sent[m.src] + (1 if m.src == node else 0))
-    return max(clock.values(), default=0)
