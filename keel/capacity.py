@@ -111,6 +111,27 @@ def probe_fits(time_scale: float, probe_step_s: float, floor_s: float, workers: 
             f"(or emulation.time_scale = \"auto\")")
 
 
+def relaunch_time_scale(launch_s: float, restart_s: float) -> float:
+    """The smallest time scale at which a checkpoint_restart relaunch's real work (stopping
+    the workers, starting, warming up and grouping them again: about the probe's launch,
+    `launch_s` wall seconds) fits the scenario's `policy.restart_s` (emulated seconds); the
+    emulation absorbs it there, and counts a relaunch that outran it as unfaithful."""
+    return launch_s / restart_s if restart_s > 0 else math.inf
+
+
+def relaunch_fits(time_scale: float, launch_s: float, restart_s: float, workers: int) -> str | None:
+    """Why a checkpoint_restart relaunch cannot keep its emulated `restart_s` at `time_scale`
+    here (with the scale that would do), or None."""
+    need = relaunch_time_scale(launch_s, restart_s)
+    if time_scale >= need:
+        return None
+    return (f"emulation.time_scale {time_scale:g} is faster than this machine keeps for policy.kind "
+            f"checkpoint_restart: starting {workers} emulated workers takes {launch_s:.3g} s here (measured), and "
+            f"policy.restart_s {restart_s:g} gives a relaunch {restart_s * time_scale:.3g} s of wall time; a faithful "
+            f"emulation needs time_scale >= {round_up_scale(need):g} (--set emulation.time_scale="
+            f"{auto_time_scale(need):g}, or emulation.time_scale = \"auto\")")
+
+
 def ladder_up(x: float) -> float:
     """The smallest SCALE_LADDER value x 10^k at or above `x`."""
     e = math.floor(math.log10(x))

@@ -159,7 +159,10 @@ def unfaithful_line(scenario: S.Scenario, k: int, repetitions: int, emu: Mapping
     scale = float(emu.get("time_scale", scenario.emulation.time_scale))
     return (f"{scenario.source}: validation stopped after repetition {k + 1} of {repetitions}: its emulation was "
             f"not faithful ({emu.get('overruns')} of {emu.get('reports')} step reports late, limit "
-            f"{100 * float(emu.get('max_overrun_fraction', 0)):g}%), so its times are this machine's, not the "
+            f"{100 * float(emu.get('max_overrun_fraction', 0)):g}%"
+            + (f"; a relaunch {float(emu.get('relaunch_late_s', 0)):.3g} s past policy.restart_s"
+               if emu.get("relaunch_overruns") else "")
+            + "), so its times are this machine's, not the "
             f"cluster's, and the twin is not judged; a larger time scale keeps them (try --set "
             f"emulation.time_scale={ladder_up(2 * scale):g}, or \"auto\")")
 

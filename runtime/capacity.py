@@ -51,10 +51,12 @@ PROBE_SCALE = 1e-3   # the probe's time scale: no machine keeps it, so every ste
 PROBE_STEPS = 8      # the probe's steps; the first two (the connections' set-up) are not counted
 
 
-def probe_step_seconds(scenario: Scenario) -> tuple[float, float]:
+def probe_step_seconds(scenario: Scenario) -> tuple[float, float, float]:
     """The wall time one fault-free step of this emulated cluster takes here flat out: the
     median and the slowest of the probe's steps after the first two (the slowest shows how
-    far this machine's load makes a step wander). The scenario run emulated for
+    far this machine's load makes a step wander); and its launch, from the run's start to its
+    first commit (the workers started, warmed up and grouped: what a checkpoint_restart
+    relaunch redoes for real). The scenario run emulated for
     PROBE_STEPS steps at PROBE_SCALE, no fault injected, no checkpoint, heartbeats and the
     detection timeout kept at sane wall times (0.25 s, 3 s)."""
     import tempfile
@@ -69,10 +71,12 @@ def probe_step_seconds(scenario: Scenario) -> tuple[float, float]:
         faults=dataclasses.replace(scenario.faults, schedule=()))
     with tempfile.TemporaryDirectory(prefix="keel-probe-") as tmp:
         api.run_scenario(probe, tmp, steps=PROBE_STEPS, progress=False)
-        commits = [e.t for e in read_events(tmp) if e.kind == "step"]
+        events = read_events(tmp)
+        commits = [e.t for e in events if e.kind == "step"]
+        start = next(e.t for e in events if e.kind == "run_start")
     gaps = sorted((b - a) * PROBE_SCALE for a, b in zip(commits[2:], commits[3:]))
     assert gaps, f"the probe committed {len(commits)} steps"
-    return gaps[len(gaps) // 2], gaps[-1]
+    return gaps[len(gaps) // 2], gaps[-1], (commits[0] - start) * PROBE_SCALE
 
 
 def check_machine(scenario: Scenario, what: str = "keel run", progress: bool = True) -> Scenario:
@@ -100,15 +104,19 @@ def check_machine(scenario: Scenario, what: str = "keel run", progress: bool = T
     if progress:
         print(f"keel: measuring how fast this machine runs the {workers} emulated workers "
               f"({PROBE_STEPS} fault-free steps flat out)", file=sys.stderr)
-    step_s, slowest_s = probe_step_seconds(scenario)
+    step_s, slowest_s, launch_s = probe_step_seconds(scenario)
     floor_s = capacity.step_floor_s(scenario.slot_count, w.step_compute_s, training_speeds(scenario))
+    relaunches = scenario.policy.kind == "checkpoint_restart"
     if not auto:
         why = capacity.probe_fits(scale, step_s, floor_s, workers, machine.cores)
+        if why is None and relaunches:
+            why = capacity.relaunch_fits(scale, launch_s, scenario.policy.restart_s, workers)
         if why is not None:
             raise InputError(f"{scenario.source}: {why}; refused before {what} starts anything")
         return scenario
     need = max(capacity.min_time_scale(slot_s, w.step_compute_s, speed, workers, machine.cores),
-               capacity.probe_time_scale(slowest_s, floor_s))  # auto keeps even the slowest probed step
+               capacity.probe_time_scale(slowest_s, floor_s),  # auto keeps even the slowest probed step
+               capacity.relaunch_time_scale(launch_s, scenario.policy.restart_s) if relaunches else 0.0)
     chosen = capacity.auto_time_scale(need)
     if progress:
         print(f"keel: emulation.time_scale auto -> {chosen:g} (a step takes {step_s * 1000:.3g} ms of real work "

@@ -113,7 +113,7 @@ def test_check_machine_with_given_measurements(monkeypatch, capsys):
     monkeypatch.setattr(rc.capacity, "this_machine", lambda: TWO_CORES)
     monkeypatch.setattr(rc, "slot_seconds", lambda *a: 0.004)
     probes = []
-    monkeypatch.setattr(rc, "probe_step_seconds", lambda sc: probes.append(sc) or (0.074, 0.09))
+    monkeypatch.setattr(rc, "probe_step_seconds", lambda sc: probes.append(sc) or (0.074, 0.09, 1.2))
     local8 = load(REPO / "scenarios" / "local-8.toml", ["emulation.enabled=true"])
     with pytest.raises(InputError, match="for the compute alone"):  # 1.0 < 1.4: no probe needed
         rc.check_machine(local8)
@@ -155,3 +155,15 @@ def test_validate_stops_at_an_unfaithful_repetition(monkeypatch, tmp_path):
                                         r"faithful \(40 of 100 step reports late, limit 2%\).*time_scale=0\.5"):
         V.runtime_observation(sc, 3, tmp_path, progress=False)
     assert len(runs) == 1
+
+
+def test_a_relaunch_must_fit_restart_s():
+    """checkpoint_restart: the relaunch's real work (about the probe's launch) inside restart_s."""
+    # sweep member 7/0 (5 Dec): 8 workers, restart_s 18.4 at time scale 0.07: 1.29 s of wall for a relaunch that
+    # took ~2.7 s here; refused, and auto would pick from the launch
+    why = capacity.relaunch_fits(0.07, 2.7, 18.4, 8)
+    assert why.startswith("emulation.time_scale 0.07 is faster than this machine keeps for policy.kind "
+                          "checkpoint_restart: starting 8 emulated workers takes 2.7 s here")
+    assert "needs time_scale >= 0.15 " in why
+    assert capacity.relaunch_fits(0.15, 2.7, 18.4, 8) is None
+    assert capacity.auto_time_scale(capacity.relaunch_time_scale(2.7, 18.4)) == 0.3
