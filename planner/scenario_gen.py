@@ -69,66 +69,85 @@ def _links(rng: random.Random, names: list[str], full: bool) -> list[dict[str, A
             for a, b in sorted(pairs)]
 
 
+class _Draw:
+    """The schedule being drawn: which nodes are alive, what was struck so far."""
+
+    def __init__(self, rng: random.Random, regions: list[dict[str, Any]], spares: int, training: list[str],
+                 step_s: float):
+        self.rng, self.spares, self.step_s = rng, spares, step_s
+        self.alive = {r["name"]: [f"{r['name']}/{i}" for i in range(r["nodes"])] for r in regions}
+        self.trained = set(training)
+        self.crashes = 0
+        self.region_lost = False
+
+    def live_regions(self) -> list[str]:
+        return [r for r, ns in self.alive.items() if ns]
+
+    def crash(self) -> tuple[dict[str, Any], str] | None:
+        """A training node that is still alive dies (while at least 3 are left)."""
+        live = [n for ns in self.alive.values() for n in ns if n in self.trained]
+        if len(live) <= 2:
+            return None
+        node = self.rng.choice(live)
+        self.alive[node.split("/")[0]].remove(node)
+        self.crashes += 1
+        return {"target": node}, "crash with a spare" if self.crashes <= self.spares else "crash, spares used up"
+
+    def rack(self) -> tuple[dict[str, Any], str] | None:
+        """Part of a region or all of it (once a run), leaving live nodes elsewhere."""
+        regions = self.live_regions()
+        candidates = [r for r in regions if len(regions) > 1 and sum(len(self.alive[o]) for o in regions if o != r) >= 2]
+        if self.region_lost or not candidates:
+            return None
+        region = self.rng.choice(candidates)
+        whole = self.rng.random() < 0.5 or len(self.alive[region]) < 2
+        nodes = len(self.alive[region]) if whole else self.rng.randint(1, len(self.alive[region]) - 1)
+        self.alive[region] = self.alive[region][nodes:]  # the region's first live nodes (keel.recovery.rack_victims)
+        self.region_lost = True
+        return {"target": region, "nodes": nodes}, "whole region lost" if whole else "part of a region lost"
+
+    def spike(self) -> tuple[dict[str, Any], str]:
+        """A live node's or a live region's latency spike, one or 2.5 steps long."""
+        regions = self.live_regions()
+        on_node = self.rng.random() < 0.5 or len(regions) < 2
+        target = self.rng.choice([n for r in regions for n in self.alive[r]]) if on_node else self.rng.choice(regions)
+        spike_ms = _sig(_log_uniform(self.rng, 50.0, 1000.0))
+        duration = _sig(self.step_s * self.rng.choice((1.0, 2.5)))
+        label = f"{'node' if on_node else 'region'} spike, {'long' if duration > 2 * self.step_s else 'short'}"
+        return {"target": target, "spike_ms": spike_ms, "duration_s": duration}, label
+
+    def nan_shard(self) -> tuple[dict[str, Any], str]:
+        return {"target": f"shard/{self.rng.randrange(16)}"}, "NaN shard"
+
+    def coordinator(self) -> tuple[dict[str, Any], str]:
+        return {"target": "coordinator"}, "coordinator lost"
+
+
+# per class: (weight, how to draw one, the class drawn instead where it cannot strike)
+KINDS = {"hardware_fault": (3, _Draw.crash, "data_shard_skew"),
+         "network_jitter": (3, _Draw.spike, None),
+         "partial_cluster_loss": (2, _Draw.rack, "hardware_fault"),
+         "data_shard_skew": (2, _Draw.nan_shard, None),
+         "coordinator_loss": (1, _Draw.coordinator, None)}
+
+
 def _schedule(rng: random.Random, regions: list[dict[str, Any]], spares: int, training: list[str],
               step_s: float) -> tuple[list[dict[str, Any]], list[str]]:
     """2-4 scheduled faults on live targets, FAULT_GAP_STEPS apart, and their feature labels.
     Capacity lasts: a crash takes a training node that is still alive, a region loss leaves
     other regions with live nodes, at most one region is lost."""
-    alive = {r["name"]: [f"{r['name']}/{i}" for i in range(r["nodes"])] for r in regions}
-    trained = set(training)
-    labels: list[str] = []
-    events: list[dict[str, Any]] = []
-    kinds = ["hardware_fault", "network_jitter", "partial_cluster_loss", "data_shard_skew", "coordinator_loss"]
-    weights = [3, 3, 2, 2, 1]
-    crashes = 0
-    lost_region = False
+    draw = _Draw(rng, regions, spares, training, step_s)
+    names = list(KINDS)
+    events, labels = [], []
     for k in range(rng.randint(2, 4)):
-        at = LEAD_STEPS + k * FAULT_GAP_STEPS
-        kind = rng.choices(kinds, weights)[0]
-        if kind == "partial_cluster_loss" and lost_region:
-            kind = "hardware_fault"
-        if kind == "hardware_fault":
-            live = [n for ns in alive.values() for n in ns if n in trained]
-            if len(live) <= 2:
-                kind = "data_shard_skew"
-            else:
-                node = rng.choice(live)
-                alive[node.split("/")[0]].remove(node)
-                crashes += 1
-                labels.append("crash with a spare" if crashes <= spares else "crash, spares used up")
-                events.append({"at_step": at, "class": kind, "target": node})
-                continue
-        if kind == "partial_cluster_loss":
-            live_regions = [r for r, ns in alive.items() if ns]
-            candidates = [r for r in live_regions if len(live_regions) > 1 and
-                          sum(len(alive[o]) for o in live_regions if o != r) >= 2]
-            if not candidates:
-                kind = "network_jitter"
-            else:
-                region = rng.choice(candidates)
-                whole = rng.random() < 0.5 or len(alive[region]) < 2
-                nodes = len(alive[region]) if whole else rng.randint(1, len(alive[region]) - 1)
-                alive[region] = alive[region][nodes:]  # the region's first live nodes (keel.recovery.rack_victims)
-                lost_region = True
-                labels.append("whole region lost" if whole else "part of a region lost")
-                events.append({"at_step": at, "class": kind, "target": region, "nodes": nodes})
-                continue
-        if kind == "network_jitter":
-            live_regions = [r for r, ns in alive.items() if ns]
-            node_target = rng.random() < 0.5 or len(live_regions) < 2
-            target = rng.choice([n for r in live_regions for n in alive[r]]) if node_target else rng.choice(live_regions)
-            spike_ms = _sig(_log_uniform(rng, 50.0, 1000.0))
-            duration = _sig(step_s * rng.choice((1.0, 2.5)))
-            labels.append(f"{'node' if node_target else 'region'} spike, {'long' if duration > 2 * step_s else 'short'}")
-            events.append({"at_step": at, "class": kind, "target": target, "spike_ms": spike_ms,
-                           "duration_s": duration})
-            continue
-        if kind == "coordinator_loss":
-            labels.append("coordinator lost")
-            events.append({"at_step": at, "class": kind, "target": "coordinator"})
-            continue
-        labels.append("NaN shard")
-        events.append({"at_step": at, "class": "data_shard_skew", "target": f"shard/{rng.randrange(16)}"})
+        kind = rng.choices(names, [KINDS[n][0] for n in names])[0]
+        got = KINDS[kind][1](draw)
+        while got is None:  # it cannot strike here: its stand-in (which always can, in the end)
+            kind = KINDS[kind][2]
+            got = KINDS[kind][1](draw)
+        entry, label = got
+        events.append({"at_step": LEAD_STEPS + k * FAULT_GAP_STEPS, "class": kind, **entry})
+        labels.append(label)
     return events, labels
 
 

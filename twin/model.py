@@ -5,13 +5,11 @@ Where things live in twin/:
 - model.py (here): `Simulation`: the trainer process (segments of steps, node-loss recovery
   under absorb, restarts from a checkpoint), the cause queue that wakes it, and the event log
   with its step sampling.
-- cluster.py: `Cluster`: nodes, their roles and slots, the spikes on them, and the aggregates
-  the step model reads (plain state, no SimPy).
+- cluster.py: `Cluster`: nodes, roles, slots, spikes, the aggregates the step model reads (no SimPy).
 - cost.py: `StepCost`: the step-cost maths (a step's `StepShape`, state copies, checkpoint
   shares) over the cluster, TwinParams and the Topology.
-- steps.py: `StepShape`, drawing a segment's step times, and `Segment`, steps drawn at once;
-  topology.py: the networkx graph and
-  the routed costs (reduction, spike delay, transfer bandwidth).
+- steps.py: `StepShape`, drawing a segment's step times, and `Segment`, steps drawn at once.
+- topology.py: the networkx graph and the routed costs (reduction, spike delay, transfer bandwidth).
 - faults.py: `Faults`: fault ids, the schedule, node faults' detection and repair.
 - checkpoints.py: `Checkpoints`: when one is due, its pause, the background write.
 - fault_kinds/: each fault class's strike and arrivals, one module per class (and
