@@ -125,6 +125,25 @@ class StepCost:
         first = (d * (d / 2 + h) + h * (h / 2)) / (d + h) if d + h > 0 else 0.0
         return first + (self.scenario.policy.straggler_window - 1) * h
 
+    # ------------------------------------------------------------------ the compute in flight
+    def compute_by_node(self) -> dict[str, float]:
+        """Each slot holder's compute of one step now: slots x slot_compute_s / speed."""
+        return {n.name: n.slots * self.params.slot_compute_s / n.speed for n in self.cluster.active() if n.slots > 0}
+
+    def drain_s(self, inflight: tuple[float, dict[str, float]] | None, formed_at: float) -> float:
+        """What the compute in flight adds to a recovery whose group is formed at `formed_at`
+        (issue 25): a worker learns of an abort only at its collective, so it first finishes
+        the compute it is in (`inflight`: when the step started, each holder's compute), and
+        only then redoes the step with its new slots. The redone step then ends at the latest
+        holder's (its wait + its new compute), not at its slowest new compute alone; the
+        difference, added to the pause."""
+        new = self.compute_by_node()
+        if inflight is None or not new:
+            return 0.0
+        start, old = inflight
+        finish = max(max(0.0, start + old.get(n, 0.0) - formed_at) + c for n, c in new.items())
+        return max(0.0, finish - max(new.values()))
+
     # ------------------------------------------------------------------ moving state
     def transfer_s(self, receivers: list[tuple[str, int]]) -> float:
         """The slowest state copy to `receivers` (node, slots it takes), each getting the slots'
