@@ -132,6 +132,18 @@ def relaunch_fits(time_scale: float, launch_s: float, restart_s: float, workers:
             f"{auto_time_scale(need):g}, or emulation.time_scale = \"auto\")")
 
 
+DETECT_MARGIN = 4.0  # "auto": the detection timeout's wall time at least this many of the probe's slowest steps
+
+
+def detection_time_scale(slowest_s: float, detect_timeout_s: float) -> float:
+    """The smallest time scale "auto" takes for the heartbeat's sake: the detection timeout's
+    wall time (detect_timeout_s x scale) DETECT_MARGIN times the slowest probed step, so that
+    a worker the loaded machine starves for as long is not declared lost (sweep member 7/1 at
+    time scale 0.05, a 0.25 s timeout on a machine loaded 25: every worker lost in its
+    calibration). An explicit scale is not refused on it: a false detection fails the run."""
+    return DETECT_MARGIN * slowest_s / detect_timeout_s if detect_timeout_s > 0 else 0.0
+
+
 def ladder_up(x: float) -> float:
     """The smallest SCALE_LADDER value x 10^k at or above `x`."""
     e = math.floor(math.log10(x))

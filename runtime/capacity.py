@@ -116,7 +116,8 @@ def check_machine(scenario: Scenario, what: str = "keel run", progress: bool = T
         return scenario
     need = max(capacity.min_time_scale(slot_s, w.step_compute_s, speed, workers, machine.cores),
                capacity.probe_time_scale(slowest_s, floor_s),  # auto keeps even the slowest probed step
-               capacity.relaunch_time_scale(launch_s, scenario.policy.restart_s) if relaunches else 0.0)
+               capacity.relaunch_time_scale(launch_s, scenario.policy.restart_s) if relaunches else 0.0,
+               capacity.detection_time_scale(slowest_s, scenario.policy.detect_timeout_s))
     chosen = capacity.auto_time_scale(need)
     if progress:
         print(f"keel: emulation.time_scale auto -> {chosen:g} (a step takes {step_s * 1000:.3g} ms of real work "

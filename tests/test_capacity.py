@@ -167,3 +167,9 @@ def test_a_relaunch_must_fit_restart_s():
     assert "needs time_scale >= 0.15 " in why
     assert capacity.relaunch_fits(0.15, 2.7, 18.4, 8) is None
     assert capacity.auto_time_scale(capacity.relaunch_time_scale(2.7, 18.4)) == 0.3
+
+
+def test_auto_keeps_the_detection_timeout_above_the_machines_stalls():
+    # a 5 s timeout, the slowest probed step 0.2 s: at least 4 x 0.2 s of wall for the timeout
+    assert capacity.detection_time_scale(0.2, 5.0) == pytest.approx(0.16)
+    assert capacity.auto_time_scale(capacity.detection_time_scale(0.2, 5.0)) == 0.3
