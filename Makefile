@@ -36,3 +36,11 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# Issue 25: keel validate (emulated) over N members of a seeded family of scenarios; writes
+# runs/validate-sweep/seed-SEED/ (sweep.md, sweep.json, sweep.svg, failing/ to replay).
+N    ?= 30
+SEED ?= 1
+.PHONY: validate-sweep
+validate-sweep: $(STAMP)
+	$(BIN)/python bench/validate_sweep.py $(N) --seed $(SEED) --quick

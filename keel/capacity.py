@@ -69,6 +69,97 @@ def min_time_scale(slot_s: float, step_compute_s: float, speed: float, workers: 
     return CORE_MARGIN * slot_s * share * speed / step_compute_s
 
 
+# ----------------------------------------------------------------------------- the probe's figure
+
+# Compute is not all of a step's real work: the reduction's messages (gloo over loopback, each
+# round waiting on its peer), the link emulator, the step reports and the coordinator's
+# confirmations cost real time too, and on a shared machine mostly as latency, not CPU
+# (local-8, 7 workers, 5 Dec: a 4-5 ms slot, yet 0.1-0.19 s of wall per step flat out). So the
+# emulated cluster itself is run briefly before the real run (runtime/capacity.py: a few
+# fault-free steps at a time scale no machine keeps, every step late), and the wall time its
+# steps take here, `probe_step_s`, is set against the wall time the scenario gives a step.
+
+AUTO_HEADROOM = 1.5              # "auto" picks this much above the measured need: the machine's load moves
+SCALE_LADDER = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)  # "auto" picks from these x 10^k, so repeated picks agree
+                                               # (a calibration holds for one time scale)
+
+
+def step_floor_s(slots: int, step_compute_s: float, speeds: list[float]) -> float:
+    """A lower bound on the emulated cluster's fault-free step (emulated seconds): its slots'
+    compute spread over the training nodes at their speeds. The reduction only adds to it, so
+    a scale judged against it errs on the slow, faithful side."""
+    return slots * step_compute_s / sum(speeds)
+
+
+def probe_time_scale(probe_step_s: float, floor_s: float) -> float:
+    """The smallest time scale at which a step's measured real work (`probe_step_s`, wall
+    seconds, flat out) fits the wall time the scenario gives the step (at least `floor_s`)."""
+    return probe_step_s / floor_s
+
+
+def probe_fits(time_scale: float, probe_step_s: float, floor_s: float, workers: int, cores: int) -> str | None:
+    """Why the emulation cannot keep its time at `time_scale`, by the probe (with the scale that
+    would do), or None."""
+    need = probe_time_scale(probe_step_s, floor_s)
+    if time_scale >= need:
+        return None
+    return (f"emulation.time_scale {time_scale:g} is faster than this machine keeps: a step of {workers} emulated "
+            f"workers on {cores} cores takes {probe_step_s * 1000:.3g} ms of real work here (measured, a short "
+            f"fault-free probe), and the scenario gives a step {floor_s * time_scale * 1000:.3g} ms of wall time "
+            f"(its compute alone); a faithful emulation needs time_scale >= {round_up_scale(need):g}; with "
+            f"headroom for this machine's load: --set emulation.time_scale={auto_time_scale(need):g} "
+            f"(or emulation.time_scale = \"auto\")")
+
+
+def relaunch_time_scale(launch_s: float, restart_s: float) -> float:
+    """The smallest time scale at which a checkpoint_restart relaunch's real work (stopping
+    the workers, starting, warming up and grouping them again: about the probe's launch,
+    `launch_s` wall seconds) fits the scenario's `policy.restart_s` (emulated seconds); the
+    emulation absorbs it there, and counts a relaunch that outran it as unfaithful."""
+    return launch_s / restart_s if restart_s > 0 else math.inf
+
+
+def relaunch_fits(time_scale: float, launch_s: float, restart_s: float, workers: int) -> str | None:
+    """Why a checkpoint_restart relaunch cannot keep its emulated `restart_s` at `time_scale`
+    here (with the scale that would do), or None."""
+    need = relaunch_time_scale(launch_s, restart_s)
+    if time_scale >= need:
+        return None
+    return (f"emulation.time_scale {time_scale:g} is faster than this machine keeps for policy.kind "
+            f"checkpoint_restart: starting {workers} emulated workers takes {launch_s:.3g} s here (measured), and "
+            f"policy.restart_s {restart_s:g} gives a relaunch {restart_s * time_scale:.3g} s of wall time; a faithful "
+            f"emulation needs time_scale >= {round_up_scale(need):g} (--set emulation.time_scale="
+            f"{auto_time_scale(need):g}, or emulation.time_scale = \"auto\")")
+
+
+DETECT_MARGIN = 4.0  # "auto": the detection timeout's wall time at least this many of the probe's slowest steps
+
+
+def detection_time_scale(slowest_s: float, detect_timeout_s: float) -> float:
+    """The smallest time scale "auto" takes for the heartbeat's sake: the detection timeout's
+    wall time (detect_timeout_s x scale) DETECT_MARGIN times the slowest probed step, so that
+    a worker the loaded machine starves for as long is not declared lost (sweep member 7/1 at
+    time scale 0.05, a 0.25 s timeout on a machine loaded 25: every worker lost in its
+    calibration). An explicit scale is not refused on it: a false detection fails the run."""
+    return DETECT_MARGIN * slowest_s / detect_timeout_s if detect_timeout_s > 0 else 0.0
+
+
+def ladder_up(x: float) -> float:
+    """The smallest SCALE_LADDER value x 10^k at or above `x`."""
+    e = math.floor(math.log10(x))
+    for k in (e, e + 1):
+        for rung in SCALE_LADDER:
+            v = round(rung * 10.0 ** k, 12)
+            if v >= x * (1 - 1e-12):
+                return v
+    raise AssertionError(x)
+
+
+def auto_time_scale(need: float) -> float:
+    """The time scale "auto" picks for a measured need: AUTO_HEADROOM above it, on the ladder."""
+    return ladder_up(AUTO_HEADROOM * need)
+
+
 def round_up_scale(x: float) -> float:
     """A time scale to suggest: `x` rounded up to two significant figures."""
     if x <= 0:
@@ -87,5 +178,6 @@ def time_scale_fits(time_scale: float, slot_s: float, step_compute_s: float, spe
     return (f"emulation.time_scale {time_scale:g} is faster than this machine keeps: a slot's real compute "
             f"takes {slot_s * 1000:.3g} ms here (measured), {workers} workers share {cores} cores, and the "
             f"scenario gives a slot {step_compute_s / speed * time_scale * 1000:.3g} ms of wall time; "
-            f"a faithful emulation needs time_scale >= {round_up_scale(need):g} "
-            f"(--set emulation.time_scale={round_up_scale(need):g})")
+            f"a faithful emulation needs time_scale >= {round_up_scale(need):g} for the compute alone "
+            f"(--set emulation.time_scale={round_up_scale(need):g} or more; emulation.time_scale = \"auto\" "
+            f"measures the whole step)")

@@ -66,15 +66,17 @@ def _port(text: str) -> int:
     return value
 
 
-def _time_scale(text: str) -> float:
-    """Wall seconds per emulated second: a positive, finite number."""
+def _time_scale(text: str) -> float | str:
+    """Wall seconds per emulated second: a positive, finite number, or "auto" (measured here)."""
+    if text == "auto":
+        return text
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number of wall seconds per emulated second, "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive number of wall seconds per emulated second "
+                                         f"or auto, got {text!r}")
     return value
 
 
@@ -146,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="emulate the scenario's cluster on this machine (emulation.enabled = true): "
                          "one worker per node, the scenario's compute, network, storage and detection times")
     sp.add_argument("--time-scale", type=_time_scale, default=None, metavar="X",
-                    help="wall seconds per emulated second, with --emulate (default: the scenario's "
-                         "emulation.time_scale)")
+                    help="wall seconds per emulated second, with --emulate, or auto: the smallest this "
+                         "machine keeps, measured before the run (default: the scenario's emulation.time_scale)")
     sp.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                     help="join a coordinator running elsewhere as one worker (default: be the coordinator "
                          "and start every worker here)")

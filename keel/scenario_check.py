@@ -158,7 +158,8 @@ def check(s: Scenario) -> None:
     positive(s.validate.repetitions, "validate.repetitions")
     positive(s.validate.fault_rel_tol, "validate.fault_rel_tol")
     positive(s.validate.steps, "validate.steps", True)
-    positive(s.emulation.time_scale, "emulation.time_scale")
+    if s.emulation.time_scale != "auto":
+        positive(s.emulation.time_scale, "emulation.time_scale")
     if not 0.0 <= s.emulation.max_overrun_fraction <= 1.0:
         fail("emulation.max_overrun_fraction", f"expected a fraction in [0, 1], got {s.emulation.max_overrun_fraction!r}")
 

@@ -70,6 +70,13 @@ class _Loader:
             if raw is None:  # an optional key left unset (to_dict writes it as null)
                 return None
             args = [a for a in typing.get_args(tp) if a is not type(None)]
+            words = [a for a in args if typing.get_origin(a) is Literal]
+            if words and len(args) > 1:  # a number or a word (`emulation.time_scale = "auto"`)
+                if isinstance(raw, str):
+                    if raw in typing.get_args(words[0]):
+                        return raw
+                    self.fail(key, f"expected {' or '.join(_type_name(a) for a in args)}, got {raw!r}")
+                args = [a for a in args if a not in words]
             return self.value(args[0], raw, key)
         if dataclasses.is_dataclass(tp):
             return self.build(tp, raw, key)

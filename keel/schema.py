@@ -153,8 +153,9 @@ class Emulation:
     enabled: bool = _doc("the runtime emulates the cluster this scenario describes on one machine "
                          "(one worker per node; compute, network, storage and detection take the "
                          "scenario's times, multiplied by time_scale); `keel run --emulate`", False)
-    time_scale: float = _doc("wall seconds per emulated second (0.1: the emulated cluster runs 10x faster "
-                             "than the real one would)", 1.0)
+    time_scale: float | Literal["auto"] = _doc(
+        "wall seconds per emulated second (0.1: the emulated cluster runs 10x faster than the real one "
+        "would); \"auto\": the smallest this machine keeps, measured before the run (keel/capacity.py)", 1.0)
     max_overrun_fraction: float = _doc("largest fraction of a run's step reports whose real work outran "
                                        "its emulated time for the run to count as a faithful emulation "
                                        "(a validation beyond it is invalid)", 0.02)

@@ -8,8 +8,13 @@ aborted generation, forming the next process group, a spare joining it. That is 
 calibration measures, from the runtime's event log, in the terms the twin composes a recovery
 from (twin/model.py): after the node loss is known (the `reslot`), the job pauses for
 `reform_s` (+ `spare_takeover_s` where a spare took over) + the state copy, then redoes the
-interrupted step. So per episode, pause = recover_end - reslot - the copy (the runtime's own
-`state_s`) - the redone step (the mean step of the generation that redid it):
+interrupted step. The runtime times its own re-form: its `recover_end` carries `reform_s`
+(leaving the aborted generation + forming the next group, `abort_s + pg_s`), which is the
+pause. (Until issue 25 the pause was recover_end - reslot - the copy - the mean step of the
+new generation; that also took in the compute the survivors finish before they see the abort,
+which the twin now models itself (twin/cost.py, `drain_s`), and it put a rack loss's pause at
+4.3 s where the runtime's re-form took 0.7 s.) Where an episode has no `reform_s`, the old
+difference is used:
 - `reform_s`: the pause of a rack loss that no spare absorbs (the survivors re-form);
 - `spare_takeover_s`: a killed node's pause (a spare takes its slots) minus that.
 A coordinator loss is timed by the runtime itself: its `recover_end` (under absorb) carries
@@ -29,11 +34,22 @@ from keel.metrics import fault_episodes, mean_step_s_after_warmup
 
 RUN_KEYS = tuple(MEASURED)
 HOW = {
-    "reform_s": "rack loss, no spare left: recover_end - reslot - state copy - the redone step, emulated runs",
-    "spare_takeover_s": "killed node, a spare takes over: the same pause minus the rack loss's, emulated runs",
+    "reform_s": "rack loss, no spare left: recover_end.detail.reform_s (leaving the aborted generation + "
+                "forming the next group), emulated runs",
+    "spare_takeover_s": "killed node, a spare takes over: its reform_s minus the rack loss's, emulated runs",
     "coordinator_restart_s": "coordinator killed: recover_end.detail.ack_s (death to the next generation "
                              "announced), emulated runs",
 }
+
+
+QUICK_ENV = "KEEL_CALIBRATE_QUICK"  # "1": fewer repetitions (tests, the validation sweep)
+
+
+def quick_from_env() -> bool:
+    """Whether $KEEL_CALIBRATE_QUICK asks for a calibration's quick mode (keel calibrate, and
+    the calibration keel validate measures when none is given or found)."""
+    import os
+    return os.environ.get(QUICK_ENV, "") not in ("", "0")
 
 
 def generation_mean_step_s(events: Sequence[Any], gen: int) -> float | None:
@@ -61,6 +77,9 @@ def pauses(events: Sequence[Any]) -> dict[str, float]:
         if kind is None or not {"reslot", "recover_end"} <= set(first):
             continue
         end = first["recover_end"]
+        if "reform_s" in end.detail:  # the runtime's own timing of the re-form (module docstring)
+            out[kind] = float(end.detail["reform_s"])
+            continue
         redo = generation_mean_step_s(events, end.detail["gen"]) if "gen" in end.detail else None
         if redo is None:
             continue

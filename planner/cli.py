@@ -12,7 +12,7 @@ from typing import Any
 from keel.errors import InputError
 from keel.rundir import print_json, write_json
 
-QUICK_ENV = "KEEL_CALIBRATE_QUICK"  # "1": fewer repetitions and shorter runs (tests)
+from planner.calibrate_fit import QUICK_ENV, quick_from_env  # noqa: F401 (QUICK_ENV: its documented name)
 
 
 def _positive(value: int, flag: str) -> int:
@@ -23,8 +23,12 @@ def _positive(value: int, flag: str) -> int:
 
 def calibrate(args: Any) -> int:
     from planner import calibrate as C
-    quick = getattr(args, "quick", False) or os.environ.get(QUICK_ENV, "") not in ("", "0")
-    cal = C.calibrate(quick=quick, base=args.loaded, progress=True)
+    quick = getattr(args, "quick", False) or quick_from_env()
+    base = args.loaded
+    if base.emulation.time_scale == "auto":  # calibrate runs emulated at the scale this machine keeps
+        from runtime.capacity import check_machine
+        base = check_machine(base.with_overrides({"emulation.enabled": True}), "keel calibrate")
+    cal = C.calibrate(quick=quick, base=base, progress=True)
     path = C.write(cal, args.out)
     if args.json:
         print_json(cal)
@@ -39,7 +43,7 @@ def validate(args: Any) -> int:
     scenario = args.loaded
     out = Path(args.out or f"runs/validate-{scenario.run.name}")
     from runtime.capacity import check_machine
-    check_machine(V.emulated(scenario), "keel validate")  # an unfaithful emulation is refused before any repetition
+    scenario = check_machine(V.prepare(scenario), "keel validate")  # an unfaithful emulation is refused before any run
     from keel.rundir import RunDirLock
     with RunDirLock(out):  # one validation per directory (each repetition's run locks its own)
         comparison = V.validate(scenario, out_dir=out, calibration=args.calibration, progress=True)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from keel import calibration as K
 from keel import scenario as S
-from keel.errors import InputError
+from keel.errors import InputError, RunFailed
 from keel.metrics import fault_episodes, goodput, since_fault_s
 from keel.rundir import read_events, write_json
 from planner import scenarios as PS
@@ -49,7 +49,8 @@ def resolve_calibration(path: str | None, out_dir: Path, progress: bool, scenari
               file=sys.stderr)
     if measure is None:
         from planner.calibrate import calibrate as measure
-    cal = measure(base=scenario, progress=progress)
+    from planner.calibrate_fit import quick_from_env
+    cal = measure(base=scenario, progress=progress, **({"quick": True} if quick_from_env() else {}))
     K.write(cal, target)
     return cal, str(target), "measured"
 
@@ -142,7 +143,28 @@ def runtime_observation(scenario: S.Scenario, repetitions: int, out_dir: Path,
         if progress:
             print(f"validate: runtime repetition {k + 1}/{repetitions} -> {rep_dir}", file=sys.stderr)
         observed.append(observe(scenario, rep_dir, progress))
+        emu = observed[-1].get("emulation") or {}
+        if not emu.get("faithful", True):
+            raise Unfaithful(unfaithful_line(scenario, k, repetitions, emu))
     return observed
+
+
+class Unfaithful(RunFailed):
+    """A repetition's emulation could not keep its time: its times are this machine's, not the
+    cluster's, so the validation stops there and the twin is not judged (exit 1)."""
+
+
+def unfaithful_line(scenario: S.Scenario, k: int, repetitions: int, emu: Mapping[str, Any]) -> str:
+    from keel.capacity import ladder_up
+    scale = float(emu.get("time_scale", scenario.emulation.time_scale))
+    return (f"{scenario.source}: validation stopped after repetition {k + 1} of {repetitions}: its emulation was "
+            f"not faithful ({emu.get('overruns')} of {emu.get('reports')} step reports late, limit "
+            f"{100 * float(emu.get('max_overrun_fraction', 0)):g}%"
+            + (f"; a relaunch {float(emu.get('relaunch_late_s', 0)):.3g} s past policy.restart_s"
+               if emu.get("relaunch_overruns") else "")
+            + "), so its times are this machine's, not the "
+            f"cluster's, and the twin is not judged; a larger time scale keeps them (try --set "
+            f"emulation.time_scale={ladder_up(2 * scale):g}, or \"auto\")")
 
 
 def emulated(scenario: S.Scenario) -> S.Scenario:
@@ -159,18 +181,29 @@ def emulated(scenario: S.Scenario) -> S.Scenario:
     return sc
 
 
-def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | None = None,
-             repetitions: int | None = None, replicas: int = 16, progress: bool = True,
-             processes: int | None = None) -> dict[str, Any]:
-    """Run (emulated), replay, compare; writes out_dir/comparison.json and returns it."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def prepare(scenario: S.Scenario) -> S.Scenario:
+    """The scenario as validation runs it (`emulated`), or InputError for what would stop the
+    validation, before anything is measured or started."""
     if not scenario.faults.schedule:
         raise InputError(f"{scenario.source}: key 'faults.schedule': validation replays a fault schedule; "
                          "expected at least one [[faults.schedule]] entry")
     scenario = emulated(scenario)
     from runtime.api import check_runnable
-    check_runnable(scenario)  # before a calibration or any repetition starts
+    check_runnable(scenario)
+    return scenario
+
+
+def validate(scenario: S.Scenario, *, out_dir: str | Path, calibration: str | None = None,
+             repetitions: int | None = None, replicas: int = 16, progress: bool = True,
+             processes: int | None = None) -> dict[str, Any]:
+    """Run (emulated), replay, compare; writes out_dir/comparison.json and returns it. A
+    repetition whose emulation was not faithful stops it (`Unfaithful`): the twin is not judged."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    scenario = prepare(scenario)  # before a calibration or any repetition starts
+    if scenario.emulation.time_scale == "auto":
+        from runtime.capacity import check_machine
+        scenario = check_machine(scenario, "keel validate", progress)
     cal, cal_path, how = resolve_calibration(calibration, out, progress, scenario)
     if progress:
         print(f"validate: calibration {cal_path} ({how})", file=sys.stderr)

@@ -88,6 +88,9 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
             from runtime.resume_check import check_resume_shapes
             check_resume_shapes(scenario, resume)
     check_writable_dir(out_dir)
+    if scenario.emulation.enabled and scenario.emulation.time_scale == "auto":  # measured here, once
+        from runtime.capacity import check_machine
+        scenario = check_machine(scenario, "the run", progress)
     from keel.rundir import write_summary
     from runtime.supervisor import Supervisor
 

@@ -4,7 +4,9 @@ an emulated one the real compute of a slot, timed on the scenario's job here in 
 of a second, against the wall time the scenario's time scale gives it."""
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 import time
 
 from keel import capacity
@@ -49,18 +51,88 @@ def slot_seconds(scenario: Scenario) -> float:
     return _slot_seconds(scenario.config_hash(), json.dumps(scenario.plain()), scenario.source)
 
 
-def check_machine(scenario: Scenario, what: str = "keel run") -> None:
-    """InputError, one line, when the run does not fit this machine: its worker processes
-    (every run), and for an emulated run the time scale (with the scale that would do)."""
+PROBE_SCALE = 1e-3   # the probe's time scale: no machine keeps it, so every step runs flat out
+PROBE_STEPS = 8      # the probe's steps; the first two (the connections' set-up) are not counted
+
+
+def probe_step_seconds(scenario: Scenario) -> tuple[float, float, float]:
+    """The wall time one fault-free step of this emulated cluster takes here flat out: the
+    median and the slowest of the probe's steps after the first two (the slowest shows how
+    far this machine's load makes a step wander); and its launch, from the run's start to its
+    first commit (the workers started, warmed up and grouped: what a checkpoint_restart
+    relaunch redoes for real). The scenario run emulated for
+    PROBE_STEPS steps at PROBE_SCALE, no fault injected, no checkpoint, heartbeats and the
+    detection timeout kept at sane wall times (0.25 s, 3 s)."""
+    import tempfile
+
+    from keel.rundir import read_events
+    from runtime import api
+    probe = dataclasses.replace(
+        scenario,
+        emulation=dataclasses.replace(scenario.emulation, enabled=True, time_scale=PROBE_SCALE),
+        policy=dataclasses.replace(scenario.policy, heartbeat_s=0.25 / PROBE_SCALE, detect_timeout_s=3.0 / PROBE_SCALE),
+        checkpoint=dataclasses.replace(scenario.checkpoint, interval_steps=10 * PROBE_STEPS),
+        faults=dataclasses.replace(scenario.faults, schedule=()))
+    with tempfile.TemporaryDirectory(prefix="keel-probe-") as tmp:
+        api.run_scenario(probe, tmp, steps=PROBE_STEPS, progress=False)
+        events = read_events(tmp)
+        commits = [e.t for e in events if e.kind == "step"]
+        start = next(e.t for e in events if e.kind == "run_start")
+    gaps = sorted((b - a) * PROBE_SCALE for a, b in zip(commits[2:], commits[3:]))
+    assert gaps, f"the probe committed {len(commits)} steps"
+    return gaps[len(gaps) // 2], gaps[-1], (commits[0] - start) * PROBE_SCALE
+
+
+def check_machine(scenario: Scenario, what: str = "keel run", progress: bool = True) -> Scenario:
+    """The scenario as it will run on this machine, or InputError (one line) when it does not
+    fit: its worker processes (every run), and for an emulated run the time scale, checked by
+    the slot's compute (instant) and then by a short probe of the emulated cluster itself; a
+    time scale of "auto" becomes the one the measurement says this machine keeps."""
     machine = capacity.this_machine()
     why = capacity.processes_fit(scenario.total_nodes, machine)
     if why is not None:
         raise InputError(f"{scenario.source}: {why}; refused before {what} starts anything")
     if not scenario.emulation.enabled:
-        return
+        return scenario
+    from runtime.api import check_runnable
+    check_runnable(scenario)  # the job's own refusals first: timing a job that cannot run says nothing
+    w = scenario.workload
     slot_s = slot_seconds(scenario)
     speed = max(r.speed for r in scenario.regions)
-    why = capacity.time_scale_fits(scenario.emulation.time_scale, slot_s, scenario.workload.step_compute_s, speed,
-                                   scenario.training_nodes, machine.cores)
-    if why is not None:
-        raise InputError(f"{scenario.source}: {why}; refused before {what} starts anything")
+    workers = scenario.training_nodes
+    scale = scenario.emulation.time_scale
+    auto = scale == "auto"
+    if not auto:
+        why = capacity.time_scale_fits(scale, slot_s, w.step_compute_s, speed, workers, machine.cores)
+        if why is not None:  # refused on the compute alone: no probe needed
+            raise InputError(f"{scenario.source}: {why}; refused before {what} starts anything")
+    if progress:
+        print(f"keel: measuring how fast this machine runs the {workers} emulated workers "
+              f"({PROBE_STEPS} fault-free steps flat out)", file=sys.stderr)
+    step_s, slowest_s, launch_s = probe_step_seconds(scenario)
+    floor_s = capacity.step_floor_s(scenario.slot_count, w.step_compute_s, training_speeds(scenario))
+    relaunches = scenario.policy.kind == "checkpoint_restart"
+    if not auto:
+        why = capacity.probe_fits(scale, step_s, floor_s, workers, machine.cores)
+        if why is None and relaunches:
+            why = capacity.relaunch_fits(scale, launch_s, scenario.policy.restart_s, workers)
+        if why is not None:
+            raise InputError(f"{scenario.source}: {why}; refused before {what} starts anything")
+        return scenario
+    need = max(capacity.min_time_scale(slot_s, w.step_compute_s, speed, workers, machine.cores),
+               capacity.probe_time_scale(slowest_s, floor_s),  # auto keeps even the slowest probed step
+               capacity.relaunch_time_scale(launch_s, scenario.policy.restart_s) if relaunches else 0.0,
+               capacity.detection_time_scale(slowest_s, scenario.policy.detect_timeout_s))
+    chosen = capacity.auto_time_scale(need)
+    if progress:
+        print(f"keel: emulation.time_scale auto -> {chosen:g} (a step takes {step_s * 1000:.3g} ms of real work "
+              f"here, {slowest_s * 1000:.3g} ms the slowest, the scenario's compute {floor_s * 1000:.3g} ms of "
+              f"emulated time; needs >= "
+              f"{capacity.round_up_scale(need):g}, x{capacity.AUTO_HEADROOM:g} for headroom)", file=sys.stderr)
+    return dataclasses.replace(scenario, emulation=dataclasses.replace(scenario.emulation, time_scale=chosen))
+
+
+def training_speeds(scenario: Scenario) -> list[float]:
+    """The speed of every training node (the hot spares, the last nodes, compute nothing)."""
+    speeds = [r.speed for r in scenario.regions for _ in range(r.nodes)]
+    return speeds[:scenario.training_nodes]

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from runtime.api import check_runnable
     check_runnable(scenario, args.steps)  # before anything is written or started
     from runtime.capacity import check_machine
-    check_machine(scenario)  # the processes, their memory, and an emulation's time scale: before any start
+    scenario = check_machine(scenario)  # processes, memory, an emulation's time scale (auto: chosen): before any start
     if args.out:
         out = Path(args.out)
     elif args.resume:

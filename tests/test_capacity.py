@@ -29,7 +29,7 @@ def test_time_scale_from_a_measured_slot():
     assert capacity.time_scale_fits(0.25, 0.0135, 6.0, 1.0, 44, 2) is None
     # the same cluster with 428 training nodes: 214 workers a core
     why = capacity.time_scale_fits(0.25, 0.0135, 6.0, 1.0, 428, 2)
-    assert "needs time_scale >= 0.97 (--set emulation.time_scale=0.97)" in why
+    assert "needs time_scale >= 0.97 for the compute alone (--set emulation.time_scale=0.97 or more" in why
     # local-8: 20 ms a slot at time scale 1, 7 workers, a 4 ms slot measured on 2 cores: 28 ms needed
     assert "needs time_scale >= 1.4" in capacity.time_scale_fits(1.0, 0.004, 0.02, 1.0, 7, 2)
     assert capacity.time_scale_fits(1.4, 0.004, 0.02, 1.0, 7, 2) is None
@@ -78,3 +78,98 @@ def test_an_unfaithful_emulated_run_exits_1(monkeypatch, tmp_path, capsys):
     assert "keel: run failed: the emulation was not faithful (9 of 10 step reports late, limit 2%)" in err
     summary["emulation"].update(overruns=0, overrun_fraction=0.0, faithful=True)
     assert main(["run", "scenarios/local-8.toml", "--emulate", "--out", str(tmp_path / "r")]) == 0
+
+
+# ----------------------------------------------------------------------------- issue 25: the probe and "auto"
+
+def test_the_probe_judges_the_whole_step():
+    # local-8 (8 slots of 20 ms over 7 training nodes): its compute floor is 22.9 ms a step
+    floor = capacity.step_floor_s(8, 0.02, [1.0] * 7)
+    assert floor == pytest.approx(8 * 0.02 / 7)
+    assert capacity.step_floor_s(4, 1.0, [1.0, 3.0]) == pytest.approx(1.0)  # a faster region takes more
+    # 5 Dec: the slot check let time scale 1.7 through, yet a step took ~0.1 s of real work
+    why = capacity.probe_fits(1.7, 0.106, floor, 7, 2)
+    assert why.startswith("emulation.time_scale 1.7 is faster than this machine keeps: a step of 7 emulated "
+                          "workers on 2 cores takes 106 ms of real work here")
+    assert "needs time_scale >= 4.7;" in why and "--set emulation.time_scale=7 " in why
+    assert capacity.probe_fits(4.7, 0.106, floor, 7, 2) is None
+    assert capacity.probe_fits(0.25, 0.43, 2.0, 11, 2) is None  # multiregion-12: 0.43 s against 0.5 s
+
+
+def test_auto_picks_from_a_ladder_with_headroom():
+    assert [capacity.ladder_up(x) for x in (0.0013, 0.1, 0.1001, 0.26, 1.0, 1.2, 6.7, 7.1)] == \
+        [0.0015, 0.1, 0.15, 0.3, 1.0, 1.5, 7.0, 10.0]
+    assert capacity.auto_time_scale(3.3) == 5.0  # 4.95 -> 5
+    assert capacity.auto_time_scale(0.2) == 0.3
+    # repeated measurements that move by +-20 % mostly land on one rung (a calibration holds for one scale)
+    assert {capacity.auto_time_scale(x) for x in (2.1, 2.5, 3.0)} == {5.0}
+
+
+def test_check_machine_with_given_measurements(monkeypatch, capsys):
+    """runtime/capacity.check_machine on injected figures: the same verdict on any machine."""
+    import runtime.capacity as rc
+    from keel.errors import InputError
+    from keel.scenario import load
+    monkeypatch.setattr(rc.capacity, "this_machine", lambda: TWO_CORES)
+    monkeypatch.setattr(rc, "slot_seconds", lambda *a: 0.004)
+    probes = []
+    monkeypatch.setattr(rc, "probe_step_seconds", lambda sc: probes.append(sc) or (0.074, 0.09, 1.2))
+    local8 = load(REPO / "scenarios" / "local-8.toml", ["emulation.enabled=true"])
+    with pytest.raises(InputError, match="for the compute alone"):  # 1.0 < 1.4: no probe needed
+        rc.check_machine(local8)
+    assert probes == []
+    with pytest.raises(InputError, match=r"needs time_scale >= 3\.3; .*--set emulation\.time_scale=5 "):
+        rc.check_machine(local8.with_overrides({"emulation.time_scale": 1.7}))
+    assert rc.check_machine(local8.with_overrides({"emulation.time_scale": 3.5})).emulation.time_scale == 3.5
+    chosen = rc.check_machine(local8.with_overrides({"emulation.time_scale": "auto"}))
+    # auto keeps the slowest probed step: 0.09 s against 22.9 ms of compute, x1.5: 5.9 -> 7
+    assert chosen.emulation.time_scale == 7.0 and chosen.workload == local8.workload
+    assert "emulation.time_scale auto -> 7" in capsys.readouterr().err
+    assert rc.check_machine(load(REPO / "scenarios" / "local-8.toml")) .emulation.time_scale == 1.0  # not emulated
+
+
+def test_auto_in_the_scenario_and_on_the_command_line(tmp_path):
+    from keel.scenario import ScenarioError, load
+    assert load(REPO / "scenarios" / "local-8.toml", ["emulation.time_scale=auto"]).emulation.time_scale == "auto"
+    with pytest.raises(ScenarioError, match="key 'emulation.time_scale': expected a number or one of 'auto', got 'fast'"):
+        load(REPO / "scenarios" / "local-8.toml", ["emulation.time_scale=fast"])
+    p = subprocess.run(keel("run", "scenarios/local-8.toml", "--emulate", "--time-scale", "soon", "--out",
+                            str(tmp_path / "r")), capture_output=True, text=True, cwd=str(REPO), timeout=60)
+    assert p.returncode == 2 and "expected a positive number of wall seconds per emulated second or auto" in p.stderr
+
+
+def test_validate_stops_at_an_unfaithful_repetition(monkeypatch, tmp_path):
+    """Its times are this machine's: the twin is not judged, the later repetitions not run."""
+    from keel.errors import RunFailed
+    from keel.scenario import load
+    from planner import validate as V
+    runs = []
+
+    def observe(sc, rep_dir, progress):
+        runs.append(rep_dir)
+        return {"emulation": {"time_scale": 0.25, "overruns": 40, "reports": 100, "max_overrun_fraction": 0.02,
+                              "faithful": False}}
+    monkeypatch.setattr(V, "observe", observe)
+    sc = V.prepare(load(REPO / "scenarios" / "multiregion-12.toml"))
+    with pytest.raises(RunFailed, match=r"validation stopped after repetition 1 of 3: its emulation was not "
+                                        r"faithful \(40 of 100 step reports late, limit 2%\).*time_scale=0\.5"):
+        V.runtime_observation(sc, 3, tmp_path, progress=False)
+    assert len(runs) == 1
+
+
+def test_a_relaunch_must_fit_restart_s():
+    """checkpoint_restart: the relaunch's real work (about the probe's launch) inside restart_s."""
+    # sweep member 7/0 (5 Dec): 8 workers, restart_s 18.4 at time scale 0.07: 1.29 s of wall for a relaunch that
+    # took ~2.7 s here; refused, and auto would pick from the launch
+    why = capacity.relaunch_fits(0.07, 2.7, 18.4, 8)
+    assert why.startswith("emulation.time_scale 0.07 is faster than this machine keeps for policy.kind "
+                          "checkpoint_restart: starting 8 emulated workers takes 2.7 s here")
+    assert "needs time_scale >= 0.15 " in why
+    assert capacity.relaunch_fits(0.15, 2.7, 18.4, 8) is None
+    assert capacity.auto_time_scale(capacity.relaunch_time_scale(2.7, 18.4)) == 0.3
+
+
+def test_auto_keeps_the_detection_timeout_above_the_machines_stalls():
+    # a 5 s timeout, the slowest probed step 0.2 s: at least 4 x 0.2 s of wall for the timeout
+    assert capacity.detection_time_scale(0.2, 5.0) == pytest.approx(0.16)
+    assert capacity.auto_time_scale(capacity.detection_time_scale(0.2, 5.0)) == 0.3

@@ -16,6 +16,7 @@ from test_twin import MULTIREGION, episodes, scenario, tiny_with
 pytestmark = pytest.mark.timeout(60)
 
 STEP = 2.124
+COMPUTE = 1.0   # of it, a slot's compute (the rest the reduction)
 REFORM = 0.1
 
 
@@ -56,18 +57,22 @@ def test_absorb_pauses_commits_for_the_successor_and_a_reform_then_redoes_the_st
 
 def test_absorb_commits_the_steps_trained_during_the_outage_at_once():
     """A successor 5 s late: the workers finished steps 4 and 5 meanwhile; they are committed
-    when it is up (one step event), and only the partial step 6 is lost."""
+    when it is up (one step event), and only the partial step 6 is lost. The workers see the
+    abort only at step 6's collective: its compute (1 s, from 2 steps after the fault) ends
+    after the group re-formed (5 s + reform), and the redo waits for it (issue 25)."""
     ev = coordinator_killed_at(3, **{"policy.coordinator_restart_s": 5.0}).events
     fault, end = the(ev, "fault"), the(ev, "recover_end")
     between = [e for e in ev if fault.t < e.t < end.t]
     assert [(e.kind, e.step) for e in between] == [("step", 5)]
     assert between[0].t == pytest.approx(fault.t + 5.0)
-    assert end.t == pytest.approx(fault.t + 5.0 + REFORM + STEP) and end.step == 5
+    drain = 2 * STEP + COMPUTE - (5.0 + REFORM)
+    assert drain > 0
+    assert end.t == pytest.approx(fault.t + 5.0 + REFORM + drain + STEP) and end.step == 5
     assert end.detail["ack_s"] == pytest.approx(5.0) and end.detail["redo_s"] == pytest.approx(STEP)
     (f,) = twin.build_summary(scenario(), ev, 3)["faults"]
     assert f["downtime_s"] == pytest.approx(5.0)  # to the first commit after the fault: the outage's
-    # lost work: the part of step 6 done when the abort landed (5 - 2 steps) and the re-form
-    assert f["cost_s"] == pytest.approx(5.0 - 2 * STEP + REFORM) and f["lost_steps"] == 0
+    # lost work: step 6, done when the redo could start (5 - 2 steps, the re-form, the drain)
+    assert f["cost_s"] == pytest.approx(5.0 - 2 * STEP + REFORM + drain) and f["lost_steps"] == 0
 
 
 def test_checkpoint_restart_relaunches_once_the_successor_is_up():

@@ -123,7 +123,7 @@ def test_editable_install_finds_the_scenarios_as_a_package():
     assert out.returncode == 0, out.stderr
     folder, names = out.stdout.splitlines()
     assert Path(folder) == REPO / "scenarios"
-    assert names == "['local-8', 'multiregion-12', 'multiregion-46']"
+    assert names == "['local-8', 'multiregion-12', 'multiregion-46', 'partition-12']"
 
 
 def test_constraints_pin_what_the_makefile_installs():

@@ -82,7 +82,7 @@ class StepCost:
         if with_spikes:
             for sp in c.spikes.values():
                 if sp.active and not sp.moves and (not is_node(sp.target) or is_member(sp.target)):
-                    spike = max(spike, self.spike_delay(sp, per_region))
+                    spike = max(spike, self.spike_delay(sp, per_region, members=[n for n in c.nodes if is_member(n)]))
         return StepShape(tuple(sorted((n, base, offset.get(region, 0.0)) for (region, base), n in groups.items())),
                          p.compute_jitter, p.step_overhead_s + spike, red.latency_s * lat_scale, red.jitter_s)
 
@@ -100,7 +100,8 @@ class StepCost:
         lat_scale, byte_scale = self._reduction_scales()
         return latency * lat_scale + nbytes * byte_scale
 
-    def spike_delay(self, spike: Spike, per_region: dict[str, int], step: int | None = None) -> float:
+    def spike_delay(self, spike: Spike, per_region: dict[str, int], step: int | None = None,
+                    members: list[str] | None = None) -> float:
         """A spike's delay to one step's collective (Topology.spike_delay_s): at its mean, or,
         for 0-based step `step`, at the runtime's own draw for that step
         (`keel.scenario.spike_factor`): a node's own draw; for a region, the mean of its
@@ -111,7 +112,9 @@ class StepCost:
         if step is not None:
             draws = [spike_factor(self.scenario.run.seed, n.name, step) for n in self.cluster.spiked_holders(spike)]
             factor = sum(draws) / len(draws) if draws else 1.0
-        return self.topology.spike_delay_s(spike.target, spike.spike_s * factor, per_region)
+        if members is None:
+            members = [n.name for n in self.cluster.active() if n.slots > 0]
+        return self.topology.spike_delay_s(spike.target, spike.spike_s * factor, per_region, members)
 
     def probe_wait_s(self, sp: Spike) -> float:
         """Mean time from a spike's end to the straggler_window-th good probe: a standing-by
@@ -121,6 +124,25 @@ class StepCost:
         h, d = self.params.heartbeat_s, sp.spike_s
         first = (d * (d / 2 + h) + h * (h / 2)) / (d + h) if d + h > 0 else 0.0
         return first + (self.scenario.policy.straggler_window - 1) * h
+
+    # ------------------------------------------------------------------ the compute in flight
+    def compute_by_node(self) -> dict[str, float]:
+        """Each slot holder's compute of one step now: slots x slot_compute_s / speed."""
+        return {n.name: n.slots * self.params.slot_compute_s / n.speed for n in self.cluster.active() if n.slots > 0}
+
+    def drain_s(self, inflight: tuple[float, dict[str, float]] | None, formed_at: float) -> float:
+        """What the compute in flight adds to a recovery whose group is formed at `formed_at`
+        (issue 25): a worker learns of an abort only at its collective, so it first finishes
+        the compute it is in (`inflight`: when the step started, each holder's compute), and
+        only then redoes the step with its new slots. The redone step then ends at the latest
+        holder's (its wait + its new compute), not at its slowest new compute alone; the
+        difference, added to the pause."""
+        new = self.compute_by_node()
+        if inflight is None or not new:
+            return 0.0
+        start, old = inflight
+        finish = max(max(0.0, start + old.get(n, 0.0) - formed_at) + c for n, c in new.items())
+        return max(0.0, finish - max(new.values()))
 
     # ------------------------------------------------------------------ moving state
     def transfer_s(self, receivers: list[tuple[str, int]]) -> float:

@@ -11,11 +11,9 @@ Where things live in twin/:
 - steps.py: `StepShape`, drawing a segment's step times, and `Segment`, steps drawn at once;
   topology.py: the networkx graph and the routed costs (reduction, spike delay, transfers).
 - faults.py: `Faults`: fault ids, the schedule, node faults' detection and repair.
-- checkpoints.py: `Checkpoints`: when one is due, its pause, the background write.
-- fault_kinds/: each fault class's strike and arrivals, one module per class (and
-  coordinator_loss.py: what a coordinator's loss does to the trainer, a mixin of `Simulation`).
-- stragglers.py: `Stragglers`: re-slots under absorb that no death forces (a straggler parked
-  and brought back, a rejoined spare relieving overloaded nodes).
+- checkpoints.py: `Checkpoints`: when one is due, its pause, the background write. fault_kinds/: each class's
+  strike and arrivals (coordinator_loss.py: also what the loss does to the trainer, a mixin of `Simulation`).
+- stragglers.py: `Stragglers`: re-slots no death forces (a straggler parked and back, a rejoined spare).
 - params.py: `TwinParams`, the scenario's figures with a calibration's applied.
 Every recovery decision is keel.recovery's; these modules only time it.
 
@@ -27,19 +25,16 @@ straggler-detection points, the end of the run, and every `MAX_SEGMENT_STEPS`.
 
 Semantics (docs/design.md for step numbering and fault ids):
 - A node fault (`hardware_fault`, `partial_cluster_loss`) stalls the whole job: the in-flight
-  step is lost. Detection takes `detect_kill_s` (hardware) or `detect_rack_s` (a rack's nodes
-  killed at once; both are deaths the runtime sees as connection loss, twin/params.py), each
-  drawn as mean + heartbeat_s x (1/2 - U): the timeout runs from the last heartbeat, which
-  came a uniform phase before the fault (the spread is capped at twice the mean, so a
-  calibrated small mean stays non-negative). A fault on an idle node (spare, or a node parked
-  by a re-slot) costs nothing and is only logged.
+  step is lost. Detection: `detect_kill_s` or `detect_rack_s` (twin/params.py), each drawn as
+  mean + heartbeat_s x (1/2 - U), the last heartbeat a uniform phase before the fault (spread
+  capped at twice the mean). A fault on an idle node (spare, or parked) is only logged.
 - `absorb`: at detection the lost slots move (keel.recovery.place_lost_slots: hardware: to the
   first hot spare, else the fastest finish over the survivors; rack loss: over the other
-  surviving regions in proportion to their capacity, the sum of their nodes' speed); then the
-  job pauses for reform_s + spare_takeover_s (if a spare took over) + the slowest state copy
-  (the slots' share of weights + optimizer at the routed peer bandwidth), and redoes the
-  interrupted step. With no live training node left there is no copy of the state:
-  it falls back to a restart from the last checkpoint (a `restart` event).
+  surviving regions in proportion to their capacity); the job pauses for reform_s +
+  spare_takeover_s (if a spare took over) + what the compute in flight adds (the survivors
+  finish it before they see the abort: StepCost.drain_s) + the slowest state copy, and redoes
+  the interrupted step. With no live training node left there is no copy of the state: it
+  falls back to a restart from the last checkpoint (a `restart` event).
 - `network_jitter`: a spike adds `Topology.spike_delay_s` to every step while it lasts. Under
   absorb, if that makes its target a straggler (keel.recovery's rule, twin/stragglers.py), the
   straggler is detected at its first slow step and after straggler_window slow steps its slots
@@ -134,6 +129,7 @@ class Simulation(CoordinatorLossMixin):
         self.segment: Segment | None = None
         self.carry_s: float | None = None
         self.carry_elapsed_s = 0.0   # how far the interrupted step had got
+        self.inflight: tuple[float, dict[str, float]] | None = None  # its start, each holder's compute
         self.gen_start = 0           # committed steps when the current generation started
         self.gen = 0                 # generations formed after the first (re-forms, restarts, re-slots)
         self.last_step_event_t = -1.0
@@ -341,7 +337,9 @@ class Simulation(CoordinatorLossMixin):
         self.awaiting_recovery.append(fid)
         # survivors hold the state already: only a spare taking over needs a copy of it
         behind = [(name, k) for name, k in receivers if name == spare]
-        self.recovery_s = max(self.recovery_s, self.params.reform_s + takeover + self.cost.transfer_s(behind))
+        formed = self.params.reform_s + takeover
+        self.recovery_s = max(self.recovery_s, formed + self.cost.drain_s(self.inflight, self.env.now + formed)
+                              + self.cost.transfer_s(behind))
         self.emit_episode("reslot", fid, slots=lost, to=[f"{name}:{k}" for name, k in receivers])
 
     def _recover(self) -> Generator:
@@ -404,6 +402,7 @@ class Simulation(CoordinatorLossMixin):
         """Draw `count` steps and wait for them; a cause that interrupts keeps what committed."""
         assert self.cluster.held_slots == self.cluster.slot_count and not self.cluster.orphans, "slots lost"
         durations = self.cost.current_shape().draw(self.step_noise, count)
+        self.inflight = None
         if self.carry_s is not None:
             durations[0] = max(self.carry_s, 0.0)
             self.carry_s = None
@@ -430,6 +429,7 @@ class Simulation(CoordinatorLossMixin):
             if k < count:
                 self.carry_s = seg.start + float(cum[k]) - self.env.now
                 self.carry_elapsed_s = self.env.now - (seg.start + (float(cum[k - 1]) if k > 0 else 0.0))
+                self.inflight = (self.env.now - self.carry_elapsed_s, self.cost.compute_by_node())
         self.segment = None
 
     def _nan_step_done(self) -> None:

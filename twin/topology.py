@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 import networkx as nx
 
-from keel import hardware, wire
+from keel import collective, hardware, wire
 from keel.scenario import Scenario, is_node, region_of
 
 GBIT = hardware.GBIT
@@ -53,6 +53,27 @@ class ReductionCost:
 NO_REDUCTION = ReductionCost(0.0, 0.0, 0.0)
 
 
+@dataclass(frozen=True)
+class StepCosts:
+    """One message's cost in each step of the hierarchical all-reduce (Topology._step_costs)."""
+    ring: tuple[str, ...]                         # the active regions in ring order
+    nxt: dict[str, str]                           # region -> the next in the ring
+    pairs: list[tuple[str, str]]                  # every ordered pair of active regions
+    hop_latency: dict[str, float]                 # region -> an intra hop's latency, s
+    hop_per_byte: dict[str, float]                # region -> an intra hop's s per byte of the vector
+    fixed: dict[str, float]                       # region -> its ring step's latency to the next, s
+    per_byte: dict[str, list[float]]              # region -> per piece G_k: s per byte of the vector
+    x_fixed: dict[tuple[str, str], float]         # exchange a -> b: latency, s
+    x_per_byte: dict[tuple[str, str], float]      # exchange a -> b: s per byte of the vector
+    link_s_per_byte: dict[str, float]             # region -> its ring step's piece over the links, s per byte
+
+    def piece(self, region: str, step: int) -> int:
+        """The piece G_k `region` sends in inter-ring step `step` (keel/collective.py's plan: the
+        reduce-scatter sends G_(a - s), the all-gather G_(a + 1 - s))."""
+        R, a = len(self.ring), self.ring.index(region)
+        return (a - step) % R if step < R - 1 else (a + 1 - (step - (R - 1))) % R
+
+
 class Topology:
     """The graph plus the routed costs the twin needs. Costs are cached per membership shape
     (active nodes per region), so thousands of calls over a run stay cheap."""
@@ -69,20 +90,22 @@ class Topology:
         self._region_graph.add_nodes_from((r, self.graph.nodes[r]) for r in self.region_names)
         self._region_graph.add_edges_from((a, b, d) for a, b, d in self.graph.edges(data=True)
                                           if a in names and b in names)
-        self._route_cache: dict[tuple[str, str], tuple[float, tuple[frozenset, ...], float]] = {}
+        self._route_cache: dict[tuple[str, str], tuple[float, tuple[tuple[str, str], ...], float]] = {}
         self._ring_cache: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._cost_cache: dict[tuple[tuple[str, int], ...], ReductionCost] = {}
         self._spike_cache: dict[tuple, float] = {}
         self._chain_cache: dict[tuple, dict[str, tuple[float, float]]] = {}
 
     # -- routing over the links between regions
-    def route(self, a: str, b: str) -> tuple[float, tuple[frozenset, ...], float]:
-        """(one-way latency s, the links used, jitter s) of the lowest-latency path a -> b
-        (keel.hardware.route, the runtime's emulation routes its messages by it too)."""
-        key = (a, b) if a <= b else (b, a)
+    def route(self, a: str, b: str) -> tuple[float, tuple[tuple[str, str], ...], float]:
+        """(one-way latency s, the links crossed as (from, to), jitter s) of the lowest-latency
+        path a -> b (keel.hardware.route, the runtime's emulation routes its messages by it too).
+        A link is full duplex: traffic a -> b and b -> a do not share its bandwidth, so the
+        links are kept with their direction."""
+        key = (a, b)
         if key not in self._route_cache:
-            r = hardware.route(self.scenario, key[0], key[1])
-            self._route_cache[key] = (r.latency_s, r.links, r.jitter_s)
+            r = hardware.route(self.scenario, a, b)
+            self._route_cache[key] = (r.latency_s, r.hops, r.jitter_s)
         return self._route_cache[key]
 
     def region_ring(self, regions: Iterable[str]) -> tuple[str, ...]:
@@ -160,41 +183,17 @@ class Topology:
                 node_spike = (region_of(target), seconds)
             else:
                 region_spike = (target, seconds)
+        k = self._step_costs(shape)
+        ring, R = k.ring, len(k.ring)
+
+        def extra(a: str) -> float:  # the spike on what region a sends (its nodes alike)
+            return max((sp[1] for sp in (node_spike, region_spike) if sp is not None and sp[0] == a), default=0.0)
 
         def intra(r: str, nbytes: float) -> float:
-            n = shape[r]
-            if n <= 1:
+            if shape[r] <= 1:
                 return 0.0
-            reg = self._regions[r]
-            hop = reg.intra_latency_ms / 1e3 + nbytes / n / (reg.intra_gbit_s * GBIT)
-            extra = node_spike[1] if node_spike is not None and node_spike[0] == r else 0.0
-            return (n - 1) * hop + extra
-        ring = self.region_ring(list(shape))
-        R = len(ring)
-        edges = list(zip(ring, ring[1:] + ring[:1])) if R > 1 else []
-        uses: dict[frozenset, int] = {}
-        for a, b in (edges[:1] if R == 2 else edges):
-            for link in self.route(a, b)[1]:
-                uses[link] = uses.get(link, 0) + 1
-        fixed, per_byte = {}, {}  # what region a's piece takes to reach the next region
-        for a, b in edges:
-            links = self.route(a, b)[1]
-            bandwidth = min([self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] / uses[l] for l in links]
-                            + [shape[x] * self._regions[x].intra_gbit_s * GBIT for x in (a, b)])
-            extra = max((sp[1] for sp in (node_spike, region_spike) if sp is not None and sp[0] == a), default=0.0)
-            fixed[a], per_byte[a] = hardware.message_latency_s(self.scenario, a, b) + extra, 1.0 / R / bandwidth
-        nxt = dict(edges)
-        pairs = [(a, b) for a in ring for b in ring if a != b]
-        flows: dict[frozenset, int] = {}
-        for a, b in pairs:
-            for link in self.route(a, b)[1]:
-                flows[link] = flows.get(link, 0) + 1
-        x_fixed, x_per_byte = {}, {}  # an exchange: a's bytes to b
-        for a, b in pairs:
-            bandwidth = min([self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] / flows[l] for l in self.route(a, b)[1]]
-                            + [shape[x] * self._regions[x].intra_gbit_s * GBIT / (R - 1) for x in (a, b)])
-            extra = max((sp[1] for sp in (node_spike, region_spike) if sp is not None and sp[0] == a), default=0.0)
-            x_fixed[a, b], x_per_byte[a, b] = hardware.message_latency_s(self.scenario, a, b) + extra, 1.0 / bandwidth
+            spiked = node_spike[1] if node_spike is not None and node_spike[0] == r else 0.0
+            return (shape[r] - 1) * (k.hop_latency[r] + nbytes * k.hop_per_byte[r]) + spiked
 
         def chain(start: str) -> float:
             end = {r: 0.0 if r == start else -math.inf for r in shape}
@@ -202,15 +201,58 @@ class Topology:
                 clock = {r: end[r] + intra(r, nbytes) for r in shape}
                 if exchange:
                     sent = dict(clock)
-                    for a, b in pairs:
-                        clock[b] = max(clock[b], sent[a] + x_fixed[a, b] + nbytes * x_per_byte[a, b])
-                for _ in range(2 * (R - 1) if not exchange else 0):
+                    for a, b in k.pairs:
+                        clock[b] = max(clock[b], sent[a] + k.x_fixed[a, b] + extra(a) + nbytes * k.x_per_byte[a, b])
+                for step in range(2 * (R - 1) if not exchange else 0):
                     sent = dict(clock)
                     for a in ring:
-                        clock[nxt[a]] = max(clock[nxt[a]], sent[a] + fixed[a] + nbytes * per_byte[a])
+                        piece = k.piece(a, step)
+                        clock[k.nxt[a]] = max(clock[k.nxt[a]], sent[a] + k.fixed[a] + extra(a)
+                                              + nbytes * k.per_byte[a][piece])
                 end = {r: clock[r] + intra(r, nbytes) for r in shape}
             return max(t for t in end.values() if t > -math.inf)
         return {start: chain(start) for start in shape}
+
+    def _step_costs(self, shape: dict[str, int]) -> "StepCosts":
+        """What each step of the hierarchical all-reduce over `shape` (region -> members) costs
+        one message, without spikes: inside region r a hop of B / n bytes (intra latency + B / n
+        over a node's NIC); across regions, region a's piece G_k to the next region over the
+        routed path, its share of the links (ring edges routed over a link share it, per
+        direction: links are full duplex) and its owners' NICs (only the owners whose chunk
+        overlaps G_k carry it, the busiest `keel.collective.piece_share` of it, on both sides);
+        an exchange, a's bytes to b over the routed path (links shared by the pairs routed on
+        them, every owner sending to the R - 1 others at once)."""
+        ring = self.region_ring(list(shape))
+        R = len(ring)
+        edges = list(zip(ring, ring[1:] + ring[:1])) if R > 1 else []
+        uses: dict[tuple[str, str], int] = {}  # ring edges routed over each link, per direction
+        for a, b in edges:
+            for link in self.route(a, b)[1]:
+                uses[link] = uses.get(link, 0) + 1
+        fixed, per_byte, link_s_per_byte = {}, {}, {}
+        for a, b in edges:
+            links = self.route(a, b)[1]
+            link_bw = min((self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] / uses[l] for l in links),
+                          default=math.inf)
+            fixed[a] = hardware.message_latency_s(self.scenario, a, b)
+            link_s_per_byte[a] = 1.0 / R / link_bw
+            per_byte[a] = [1.0 / R / min([link_bw] + [self._regions[x].intra_gbit_s * GBIT
+                                                       / collective.piece_share(shape[x], R, k) for x in (a, b)])
+                           for k in range(R)]
+        pairs = [(a, b) for a in ring for b in ring if a != b]
+        flows: dict[tuple[str, str], int] = {}  # pairs routed over each link, per direction
+        for a, b in pairs:
+            for link in self.route(a, b)[1]:
+                flows[link] = flows.get(link, 0) + 1
+        x_fixed, x_per_byte = {}, {}
+        for a, b in pairs:
+            bandwidth = min([self._region_graph.edges[tuple(l)]["bandwidth_bytes_s"] / flows[l] for l in self.route(a, b)[1]]
+                            + [shape[x] * self._regions[x].intra_gbit_s * GBIT / (R - 1) for x in (a, b)])
+            x_fixed[a, b], x_per_byte[a, b] = hardware.message_latency_s(self.scenario, a, b), 1.0 / bandwidth
+        hop_latency = {r: self._regions[r].intra_latency_ms / 1e3 for r in shape}
+        hop_per_byte = {r: 1.0 / n / (self._regions[r].intra_gbit_s * GBIT) for r, n in shape.items()}
+        return StepCosts(tuple(ring), dict(edges), pairs, hop_latency, hop_per_byte, fixed, per_byte, x_fixed,
+                         x_per_byte, link_s_per_byte)
 
     def reduction_chains(self, active_per_region: dict[str, int]) -> dict[str, tuple[float, float]]:
         """Per active region: (its chain's latency part, its chain with the scenario's gradient
@@ -235,20 +277,79 @@ class Topology:
         return max(0.0, latency), max(0.0, total - latency)
 
     # -- latency spikes
-    def spike_delay_s(self, target: str, spike_s: float, active_per_region: dict[str, int]) -> float:
+    def spike_delay_s(self, target: str, spike_s: float, active_per_region: dict[str, int],
+                      members: Sequence[str] | None = None) -> float:
         """Extra time a latency spike of `spike_s` on `target` (a node or a region's links)
-        adds to one all-reduce over `active_per_region` (`collective_s` with and without it)."""
+        adds to one all-reduce over `active_per_region` (`collective_s` with and without it).
+        A node's spike delays only the node's own messages, so it is priced at node level
+        (`node_collective_s` over the ring of `members`, the nodes holding slots, where given;
+        issue 25: priced as its region's worst chain, every message the region sends spiked,
+        it was 25-80 % too long on generated clusters)."""
         region = region_of(target)
         if active_per_region.get(region, 0) == 0 or spike_s <= 0:
             return 0.0
-        key = (tuple(sorted((r, n) for r, n in active_per_region.items() if n > 0)), target, round(spike_s, 9))
+        shape = tuple(sorted((r, n) for r, n in active_per_region.items() if n > 0))
+        ring = tuple(self._spike_ring(target, dict(shape), members)) if is_node(target) else ()
+        key = (shape, target, round(spike_s, 9), ring)
         got = self._spike_cache.get(key)
         if got is None:  # the spike strikes each all-reduce of the step (keel.wire)
             rounds = wire.scenario_rounds(self.scenario)
-            got = self._spike_cache[key] = max(
-                0.0, self.collective_s(active_per_region, rounds, (target, spike_s))
-                - self.collective_s(active_per_region, rounds))
+            got = max(0.0, self.collective_s(dict(shape), rounds, (target, spike_s))
+                      - self.collective_s(dict(shape), rounds))
+            if is_node(target):  # the node's own messages, not its region's: at node level
+                got = max(0.0, self.node_collective_s(ring, rounds, (target, spike_s)) - self.node_collective_s(ring, rounds))
+            self._spike_cache[key] = got
         return got
+
+    def node_collective_s(self, groups: Sequence[Sequence[str]], rounds: Sequence[tuple[float, bool]],
+                          spike: tuple[str, float] | None = None) -> float:
+        """The step's all-reduces at node level over the ring `groups` (keel.hardware.ring_members):
+        the reduction's own plan (keel.collective), each message costing what `_step_costs`
+        gives its step (an intra hop; the ring step of its piece G_k; an exchange), a latency
+        spike `(node, seconds)` added to the node's messages; every node starting at 0."""
+        names = [n for g in groups for n in g]
+        costs = self._step_costs({region_of(g[0]): len(g) for g in groups})
+        ranks, first = [], 0
+        for g in groups:
+            ranks.append(tuple(range(first, first + len(g))))
+            first += len(g)
+        length = 1 << 20
+        clock = [0.0] * len(names)
+        nic = {r.name: r.intra_gbit_s * GBIT for r in self.scenario.regions}
+        for nbytes, exchange in rounds:
+            for step in collective.plan_for(tuple(ranks), length, exchange):
+                sent = list(clock)
+                tx: dict[int, int] = {}
+                rx: dict[int, int] = {}
+                for m in step.msgs:  # what each node's NIC sends and receives in this step
+                    tx[m.src] = tx.get(m.src, 0) + m.length
+                    rx[m.dst] = rx.get(m.dst, 0) + m.length
+                for m in step.msgs:
+                    a, b = region_of(names[m.src]), region_of(names[m.dst])
+                    if step.phase.startswith("intra"):
+                        cost = costs.hop_latency[a] + nbytes * costs.hop_per_byte[a]
+                    elif step.phase == "inter-exchange":
+                        cost = costs.x_fixed[a, b] + nbytes * costs.x_per_byte[a, b]
+                    else:  # its piece's share of the links, or its own NICs' load, the slower
+                        cost = costs.fixed[a] + nbytes * max(costs.link_s_per_byte[a], tx[m.src] / length / nic[a],
+                                                             rx[m.dst] / length / nic[b])
+                    if spike is not None and names[m.src] == spike[0]:
+                        cost += spike[1]
+                    clock[m.dst] = max(clock[m.dst], sent[m.src] + cost)
+        return max(clock, default=0.0)
+
+    def _spike_ring(self, node: str, active: dict[str, int], members: Sequence[str] | None) -> list[tuple[str, ...]]:
+        """The reduction's ring (keel.hardware.ring_members) over `members`, or, without them,
+        over each active region's first nodes in scenario order with `node` among them."""
+        if members is None or node not in members:
+            chosen = []
+            for r in self.scenario.regions:
+                names = [f"{r.name}/{i}" for i in range(r.nodes)][:active.get(r.name, 0)]
+                if r.name == region_of(node) and node not in names and names:
+                    names[-1] = node
+                chosen += names
+            members = chosen
+        return [tuple(g) for g in hardware.ring_members(self.scenario, members)]
 
     # -- moving state between nodes
     def reference_transfer_gbyte_s(self) -> float:

@@ -66,7 +66,8 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
         self.emulated = scenario.emulation.enabled
         self.scale = scenario.emulation.time_scale if self.emulated else 1.0  # wall s per emulated s
         self.emu_stats = {"reports": 0, "overruns": 0, "compute_overruns": 0, "late_s": 0.0, "worst_late_s": 0.0,
-                          "warmup_reports": 0, "warmup_late_s": 0.0}
+                          "warmup_reports": 0, "warmup_late_s": 0.0, "relaunches": 0, "relaunch_overruns": 0,
+                          "relaunch_late_s": 0.0}
         self.config = scenario.plain()
         self.job_params: int | None = None  # the job's trainable parameters, as the workers' `done` says
         self.config_hash = scenario.config_hash()
@@ -326,7 +327,8 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
             st = dict(self.emu_stats)
             st["overrun_fraction"] = st["overruns"] / st["reports"] if st["reports"] else 0.0
             st.update(time_scale=self.scale, max_overrun_fraction=self.sc.emulation.max_overrun_fraction,
-                      faithful=st["overrun_fraction"] <= self.sc.emulation.max_overrun_fraction)
+                      faithful=st["overrun_fraction"] <= self.sc.emulation.max_overrun_fraction
+                      and not st.get("relaunch_overruns"))  # a relaunch that outran restart_s: not the cluster's
             summary["emulation"] = st
         return summary
 

@@ -205,6 +205,7 @@ class FaultsMixin:
             return
         self.phase = "restarting"
         self.restarts += 1
+        decided = self.now()  # emulated: the relaunch's restart_s runs from the decision (below)
         # a checkpoint of a step not committed here (written by workers while a dead
         # coordinator's successor was starting) is not one this run has reached. Verifying
         # reads and hashes every file: in the background, so that a large checkpoint is not
@@ -232,8 +233,12 @@ class FaultsMixin:
         self.load_path = str(latest) if latest is not None else None
         self.gen_t[self.gen + 1] = {"abort_s": 0.0}
         # a relaunch: fresh interpreters pay the real import and start-up; an emulated cluster
-        # forks its workers (fast) and starts the generation policy.restart_s emulated seconds on
-        self.not_before = self.now() + self.policy.restart_s if self.emulated else 0.0
+        # forks its workers (fast) and starts the generation policy.restart_s emulated seconds
+        # after the decision: the real work since (verifying the checkpoint, stopping every
+        # worker, forking the new ones) is the test bed's stand-in for the relaunch restart_s
+        # describes, absorbed by it as every emulated duration absorbs the real work it stands
+        # for (issue 25: counted on top, it added 14 s to a 18.4 s relaunch at time scale 0.07)
+        self.not_before = decided + self.policy.restart_s if self.emulated else 0.0
         for n in self.nodes:
             self.spawn(n, fresh_interpreter=not self.emulated)
         ep.end_gen = self.gen + 1

@@ -25,6 +25,10 @@ from runtime.inject import jitter_schedule
 JOIN_TIMEOUT_S = 600.0
 
 
+RELAUNCH_TOLERANCE = 0.05  # a relaunch announced later than this fraction of restart_s after its
+                           # emulated end outran it: an unfaithful emulation (docs/emulation.md)
+
+
 class GenerationsMixin:
     def init_generations(self) -> None:
         self.gen = -1
@@ -116,6 +120,15 @@ class GenerationsMixin:
                 "load": load, "quarantine": sorted(self.quarantine), "poison": self.poison,
                 "jitter": jitter_schedule(self.planned, start), "not_before": self.not_before}
         self.gen_t.setdefault(self.gen, {})["announced"] = self.now()
+        if self.emulated and self.not_before > 0:  # a relaunch (checkpoint_restart): restart_s is emulated,
+            # and the real stop, checkpoint check and fork must fit in it for the emulation to hold
+            late = self.now() - self.not_before
+            st = self.emu_stats
+            st["relaunches"] = st.get("relaunches", 0) + 1
+            st["relaunch_late_s"] = max(st.get("relaunch_late_s", 0.0), late)
+            if late > RELAUNCH_TOLERANCE * self.policy.restart_s:
+                st["relaunch_overruns"] = st.get("relaunch_overruns", 0) + 1
+            self.not_before = 0.0  # counted once: the workers have it in this announcement
         self.watch.new_generation(self.members)
         for rank, m in enumerate(self.members):
             w = self.workers[m]
