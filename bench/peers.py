@@ -232,12 +232,25 @@ def reap(out: Path) -> None:
     """SIGKILL every process still running with `out` on its command line: a launcher's workers
     can outlive it (torchrun's agent exited and left two workers running for an hour, 4 Dec)."""
     mark = str(out).encode()
-    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit() and int(d) != os.getpid()):
-        try:
-            if mark in Path(f"/proc/{pid}/cmdline").read_bytes():
+
+    def running() -> list[int]:
+        found = []
+        for pid in (int(d) for d in os.listdir("/proc") if d.isdigit() and int(d) != os.getpid()):
+            try:
+                if mark in Path(f"/proc/{pid}/cmdline").read_bytes():  # a zombie's is empty
+                    found.append(pid)
+            except OSError:
+                pass
+        return found
+
+    deadline = time.monotonic() + 10.0
+    while (pids := running()) and time.monotonic() < deadline:  # SIGKILL is not instant: wait it out
+        for pid in pids:
+            try:
                 os.kill(pid, signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
 
 
 def spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
