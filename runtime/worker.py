@@ -145,7 +145,8 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
                     continue
                 print(f"worker {self.node}: no coordinator took this worker back within "
                       f"{self.chan.silence_s:g} s; exiting (code {EXIT_COORDINATOR_LOST}) at step {self.committed}, "
-                      f"{max(0, self.committed - self.chan.confirmed)} beyond the last the coordinator confirmed",
+                      f"{max(0, self.committed - self.chan.confirmed)} beyond the last the coordinator confirmed "
+                      f"(applied here, never committed: no checkpoint of them was published)",
                       file=sys.stderr, flush=True)
                 os._exit(EXIT_COORDINATOR_LOST)
             kind = msg.get("type")

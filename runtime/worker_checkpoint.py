@@ -34,7 +34,7 @@ class CheckpointMixin:
         if sc.checkpoint.mode == "async":
             if self.checkpointer is None:
                 self.checkpointer = ck.AsyncCheckpointer(run_dir, keep=sc.checkpoint.keep, on_done=self._ckpt_done,
-                                                         before_commit=self._emulated_write if emu else None)
+                                                         before_commit=self._before_publish)
             stall = self.checkpointer.snapshot_and_submit(**self._checkpoint_args(g))
             if emu is not None:  # after the previous write, the snapshot of this node's share
                 emu.c = max(emu.c, self._write_end.get("last", 0.0))
@@ -47,7 +47,8 @@ class CheckpointMixin:
             self._stalls[step] = float(stall)
         else:
             try:
-                path = ck.save_checkpoint(run_dir, keep=sc.checkpoint.keep, **self._checkpoint_args(g))
+                path = ck.save_checkpoint(run_dir, keep=sc.checkpoint.keep, **self._checkpoint_args(g),
+                                          before_commit=lambda: self.chan.await_confirmed(step, self.abort_event.is_set))
                 err = None
             except Exception as e:
                 path, err = None, e
@@ -59,10 +60,15 @@ class CheckpointMixin:
             self._stalls[step] = stall
             self._ckpt_done(step, path, stall, err)
 
-    def _emulated_write(self, step: int) -> None:
-        """In the writer thread, before the commit: the write lasts what the scenario's
-        storage takes for this node's share."""
-        self.emu.wait_until(self._write_end[step])
+    def _before_publish(self, step: int) -> None:
+        """In the writer thread, before the rename that publishes the checkpoint: an emulated
+        write lasts what the scenario's storage takes for this node's share; then the step must
+        be one the coordinator confirmed (runtime/protocol.py), or the checkpoint is dropped
+        when this worker leaves first. (A synchronous write waits the same way in `_checkpoint`,
+        and gives up when its generation ends.)"""
+        if self.emu is not None:
+            self.emu.wait_until(self._write_end[step])
+        self.chan.await_confirmed(step, lambda: self.stopping)
 
     def _ckpt_done(self, step: int, path, write_s: float, error) -> None:
         self._write_end.pop(step, None)

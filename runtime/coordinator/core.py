@@ -32,7 +32,7 @@ from runtime.coordinator.stall import stall_report
 from runtime.coordinator.stragglers import StragglerWatch
 from runtime.coordinator.succession import SuccessionMixin
 from runtime.inject import planned_faults, poison_schedule
-from runtime.protocol import (CONFIRM_EVERY_STEPS, Channel, ProtocolError, check_worker_message, env_secret,
+from runtime.protocol import (confirm_due, Channel, ProtocolError, check_worker_message, env_secret,
                               heartbeat_period, silence_s)
 
 STALL_MIN_S = 60.0
@@ -212,8 +212,9 @@ class Coordinator(AdmissionMixin, MessagesMixin, GenerationsMixin, FaultsMixin, 
         now = time.monotonic()
         self._drop_strangers(now)
         self.link_beat()
-        if now - self.hb_sent > self.hb_period or self.committed - self.hb_committed >= CONFIRM_EVERY_STEPS:
-            self.hb_sent, self.hb_committed = now, self.committed  # silence and commit lead (protocol.py)
+        if now - self.hb_sent > self.hb_period or confirm_due(self.committed, self.hb_committed,
+                                                              self.sc.checkpoint.interval_steps):
+            self.hb_sent, self.hb_committed = now, self.committed  # silence, commit lead, publication (protocol.py)
             for w in self.workers.values():
                 if w.chan is not None:
                     w.chan.send({"type": "hb", "committed": self.committed})
