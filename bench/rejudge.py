@@ -6,7 +6,8 @@ change to the model is measured on the very runs it was judged on before, in sec
 
 DIR is a `keel validate --out` directory (comparison.json, runtime/rep-K/). Prints, per
 validation, the verdict and per fault the downtime and cost errors before (the stored
-comparison) and now; then the per-class medians. Writes nothing.
+comparison) and now; then the per-class medians. A validation of another configuration than
+SCENARIO's (its config_hash, at the time scale it ran at) is skipped, saying so. Writes nothing.
 """
 from __future__ import annotations
 
@@ -48,15 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=16)
     args = ap.parse_args(argv)
     scenario = V.prepare(S.load(args.scenario))
-    stored_scale = None
     calibration = json.loads(args.calibration.read_text())
     by_class: dict[str, list[tuple[float, float, float, float]]] = {}
-    passed = [0, 0]
+    passed = [0, 0, 0]  # before, now, judged
     for d in args.dirs:
         before = json.loads((d / "comparison.json").read_text())
-        stored_scale = before.get("emulation", [{}])[0].get("time_scale", stored_scale)
+        stored_scale = (before.get("emulation") or [{}])[0].get("time_scale")
         sc = scenario if stored_scale is None else scenario.with_overrides({"emulation.time_scale": stored_scale})
+        if sc.config_hash() != before["config_hash"]:
+            print(f"{d}: skipped: it ran another configuration (config_hash {before['config_hash'][:12]}, "
+                  f"{args.scenario} gives {sc.config_hash()[:12]})")
+            continue
         now = rejudge(sc, calibration, d, args.replicas)
+        passed[2] += 1
         passed[0] += bool(before["pass"]["all"])
         passed[1] += bool(now["pass"]["all"])
         print(f"{d}: {'PASS' if before['pass']['all'] else 'FAIL'} -> {'PASS' if now['pass']['all'] else 'FAIL'}; "
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"cost {b.get('cost_rel_err', float('nan')):6.1%} -> {n.get('cost_rel_err', float('nan')):6.1%}")
             by_class.setdefault(n["class"], []).append((b["downtime_rel_err"], n["downtime_rel_err"],
                                                         b.get("cost_rel_err", 0.0), n.get("cost_rel_err", 0.0)))
-    print(f"passed: {passed[0]} -> {passed[1]} of {len(args.dirs)}")
+    print(f"passed: {passed[0]} -> {passed[1]} of {passed[2]} judged")
     for cls, rows in by_class.items():
         med = [statistics.median(r[i] for r in rows) for i in range(4)]
         print(f"  {cls:22} downtime error median {med[0]:.1%} -> {med[1]:.1%}; cost error median {med[2]:.1%} -> {med[3]:.1%}")
