@@ -40,9 +40,9 @@ Semantics (docs/design.md for step numbering and fault ids):
   twin/stragglers.py) is detected at its first slow step and after straggler_window slow steps
   its slots move (to a spare, else to the least-loaded nodes, a region's to the other regions:
   keel.recovery.park_destinations) if that makes steps faster, and move back when the spike
-  ends (after the last spike on the parked node, and straggler_window good probes). The episode ends with a `recover_end` when
-  the spike is over, or, if the run ends first, just before `run_end`, marked `at_run_end`
-  (keel.metrics.open_at_end, as the runtime does).
+  ends (after the last spike on the parked node, and straggler_window good probes). Its
+  episode ends with a `recover_end` when the spike is over, or just before `run_end` if the
+  run ends first, marked `at_run_end` (keel.metrics.open_at_end, as the runtime does).
 - `data_shard_skew`: the step in flight yields NaN at its end and is not committed. With
   policy.quarantine the shard is quarantined; absorb redoes the step, checkpoint_restart rolls
   back to the last checkpoint (a restart). A drawn NaN on a quarantined shard is skipped.
