@@ -37,9 +37,9 @@ KEEP_INTERVALS = 10_000  # clean commit intervals kept for the step-time median
 REJOIN_GRACE_S = 2.0     # wall seconds a successor adds to its detection timeouts for rejoins
 
 _WORKER_FIELDS = ("pid", "alive", "joined", "committed", "role", "parked", "machine_down", "done_sha", "ready_gen")
-_SCALARS = ("t0", "gen", "phase", "gen_start_step", "start_step", "fired", "restarts", "not_before",
+_PLAIN = ("t0", "gen", "phase", "gen_start_step", "start_step", "fired", "restarts", "not_before",
             "load_path", "final_sha", "last_commit_t", "deaths_logged", "members", "slot_map", "to_park",
-            "to_unpark", "checkpoints", "pid_history", "emu_stats")  # CoordinatorState's fields, as JSON has them
+            "to_unpark", "checkpoints", "pid_history", "emu_stats")  # CoordinatorState fields JSON holds as they are
 
 
 def snapshot(c: Any) -> dict[str, Any]:
@@ -48,7 +48,7 @@ def snapshot(c: Any) -> dict[str, Any]:
     st = c.state
     return {
         "version": VERSION, "n_events": len(c.log.events) - c.events_start, "pid": os.getpid(),
-        **{k: getattr(st, k) for k in _SCALARS},
+        **{k: getattr(st, k) for k in _PLAIN},
         "quarantine": sorted(st.quarantine), "intervals": st.intervals[-KEEP_INTERVALS:],
         "gen_t": {str(g): t for g, t in st.gen_t.items() if g >= st.gen - 1},
         "watch": st.watch.state(),
@@ -108,7 +108,7 @@ def restore(c: Any, state: dict[str, Any]) -> CoordinatorState:
     book.killed = dict(state["killed"])
     now = time.monotonic()
     st = CoordinatorState(
-        **{k: state[k] for k in _SCALARS if k != "phase"}, phase=Phase(state["phase"]),
+        **{k: state[k] for k in _PLAIN if k != "phase"}, phase=Phase(state["phase"]),
         quarantine=set(state["quarantine"]), intervals=[tuple(x) for x in state["intervals"]],
         gen_t={int(g): t for g, t in state["gen_t"].items()}, book=book,
         watch=StragglerWatch.restored(c.policy.straggler_factor, c.policy.straggler_window, state["watch"]),
