@@ -27,13 +27,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from keel import fault_classes  # noqa: E402
 from keel import scenario as S  # noqa: E402
 from keel.calibration import write as write_calibration  # noqa: E402
 from keel.paths import DEFAULT_SCENARIO  # noqa: E402
 from planner import validate as V  # noqa: E402
 
-COLOURS = {"hardware_fault": "#1f77b4", "network_jitter": "#ff7f0e",
-           "partial_cluster_loss": "#2ca02c", "data_shard_skew": "#d62728"}
+COLOURS = {fc.name: fc.colour for fc in fault_classes.classes()}  # the charts' colours (keel/fault_classes.py)
 
 
 def one_line(k: int, c: dict, seconds: float) -> str:
@@ -76,12 +76,14 @@ def svg(points: list[tuple[str, float, float]], tol: float, title: str, what: st
     for cls, o, p in points:
         x, y = xy(o, p)
         out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{COLOURS.get(cls, "#333")}" opacity="0.8"/>')
-    for i, (cls, colour) in enumerate(COLOURS.items()):
+    shown = [cls for cls in COLOURS if any(c == cls for c, _, _ in points)]
+    for i, cls in enumerate(shown):
         y = pad + 10 + 20 * i
-        out.append(f'<circle cx="{pad + size + 20}" cy="{y}" r="5" fill="{colour}"/>'
+        out.append(f'<circle cx="{pad + size + 20}" cy="{y}" r="5" fill="{COLOURS[cls]}"/>'
                    f'<text x="{pad + size + 30}" y="{y + 4}">{cls}</text>')
-    out.append(f'<rect x="{pad + size + 14}" y="{pad + 85}" width="12" height="10" fill="#ddd"/>'
-               f'<text x="{pad + size + 30}" y="{pad + 94}">tolerance +-{tol:.0%}</text>')
+    y = pad + 5 + 20 * len(shown)
+    out.append(f'<rect x="{pad + size + 14}" y="{y}" width="12" height="10" fill="#ddd"/>'
+               f'<text x="{pad + size + 30}" y="{y + 9}">tolerance +-{tol:.0%}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 

@@ -41,12 +41,24 @@ HELLO_TIMEOUT_ENV = "KEEL_HELLO_TIMEOUT_S"  # overrides it (tests, operators)
 COORDINATOR_SILENCE_S = 30.0  # wall seconds a worker waits on a silent coordinator, then exits
 SILENCE_ENV = "KEEL_COORDINATOR_SILENCE_S"  # overrides it (tests, operators)
 EXIT_COORDINATOR_LOST = 3  # a worker's exit code when its coordinator is gone (silent, closed, or refused it)
-# A worker commits step k only once its coordinator has confirmed step k - COMMIT_LEAD_STEPS (its
-# hb's `committed`); the coordinator confirms at least every CONFIRM_EVERY_STEPS commits. A worker
-# cut off from its coordinator thus commits at most COMMIT_LEAD_STEPS steps the coordinator did
-# not take, and none that a minority formed: generations come from the coordinator alone.
+# A step is committed when the coordinator's log holds it; the coordinator confirms what it
+# committed in its hb (`committed`). A worker applies step k to its weights only once step
+# k - COMMIT_LEAD_STEPS is confirmed (training does not wait on the coordinator's round trip),
+# and publishes a checkpoint of step k only once step k itself is confirmed (the checkpoint's
+# last rename waits for it). A worker cut off from its coordinator thus applies at most
+# COMMIT_LEAD_STEPS steps ahead, in memory, and nothing it did alone becomes durable: those steps
+# are lost with the process, never committed, and never in a checkpoint a resume could take.
+# A minority commits nothing either: generations come from the coordinator alone.
 COMMIT_LEAD_STEPS = 16
 CONFIRM_EVERY_STEPS = 8
+
+
+def confirm_due(committed: int, confirmed: int, checkpoint_interval: int) -> bool:
+    """Whether the coordinator confirms its committed step now, not only at its next heartbeat:
+    every CONFIRM_EVERY_STEPS commits (the workers' lead), and at once when the step is one a
+    checkpoint is written at (its writer waits for that word to publish it)."""
+    return (committed - confirmed >= CONFIRM_EVERY_STEPS
+            or (committed > confirmed and committed % checkpoint_interval == 0))
 
 
 def heartbeat_period(silence: float) -> float:

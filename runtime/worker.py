@@ -70,7 +70,8 @@ class Worker:
         self.abort_event = threading.Event()
         self.inbox: queue.Queue = queue.Queue()
         self.standby = True
-        self.checkpoints = Checkpoints(sc, self.run_info, self.chan, self.job, self.emu)
+        self.checkpoints = Checkpoints(sc, self.run_info, self.chan, self.job, self.emu,
+                                       aborted=self.abort_event.is_set, stopping=lambda: self.stopping)
         self._warmup = True                 # emulated: this process has not yet reported a step
         self.at = "joined, idle"  # where this worker is, sent with every heartbeat (stall reports)
         if self.emu is not None:
@@ -148,7 +149,8 @@ class Worker:
                     continue
                 print(f"worker {self.node}: no coordinator took this worker back within "
                       f"{self.chan.silence_s:g} s; exiting (code {EXIT_COORDINATOR_LOST}) at step {self.committed}, "
-                      f"{max(0, self.committed - self.chan.confirmed)} beyond the last the coordinator confirmed",
+                      f"{max(0, self.committed - self.chan.confirmed)} beyond the last the coordinator confirmed "
+                      f"(applied here, never committed: no checkpoint of them was published)",
                       file=sys.stderr, flush=True)
                 os._exit(EXIT_COORDINATOR_LOST)
             kind = msg.get("type")

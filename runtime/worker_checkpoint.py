@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 
 class Checkpoints:
-    def __init__(self, scenario, run_info: dict[str, Any], chan, job, emu):
+    def __init__(self, scenario, run_info: dict[str, Any], chan, job, emu, *, aborted: Callable[[], bool],
+                 stopping: Callable[[], bool]):
         self.scenario = scenario
         self.run_info = run_info  # the coordinator's welcome: config hash, config, out_dir
-        self.chan = chan
+        self.chan = chan          # the worker's CoordinatorLink (runtime/worker_link.py)
+        self.aborted = aborted    # the worker's generation has ended: a synchronous write gives up
+        self.stopping = stopping  # the worker is stopping: a write in the background gives up
         self.job = job
         self.emu = emu            # the emulated node (runtime/emulation/node.py), or None
         self.writer = None        # async mode: the background writer, once one is written
@@ -46,7 +49,7 @@ class Checkpoints:
         if sc.checkpoint.mode == "async":
             if self.writer is None:
                 self.writer = ck.AsyncCheckpointer(run_dir, keep=sc.checkpoint.keep, on_done=self._done,
-                                                   before_commit=self._emulated_write if emu else None)
+                                                   before_commit=self._before_publish)
             stall = self.writer.snapshot_and_submit(**self._args(g, step, members, slot_map, quarantine))
             if emu is not None:  # after the previous write, the snapshot of this node's share
                 emu.c = max(emu.c, self.write_end.get("last", 0.0))
@@ -60,7 +63,8 @@ class Checkpoints:
         else:
             try:
                 path = ck.save_checkpoint(run_dir, keep=sc.checkpoint.keep,
-                                          **self._args(g, step, members, slot_map, quarantine))
+                                          **self._args(g, step, members, slot_map, quarantine),
+                                          before_commit=lambda: self.chan.await_confirmed(step, self.aborted))
                 err = None
             except Exception as e:
                 path, err = None, e
@@ -72,10 +76,15 @@ class Checkpoints:
             self.stalls[step] = stall
             self._done(step, path, stall, err)
 
-    def _emulated_write(self, step: int) -> None:
-        """In the writer thread, before the commit: the write lasts what the scenario's
-        storage takes for this node's share."""
-        self.emu.wait_until(self.write_end[step])
+    def _before_publish(self, step: int) -> None:
+        """In the writer thread, before the rename that publishes the checkpoint: an emulated
+        write lasts what the scenario's storage takes for this node's share; then the step must
+        be one the coordinator confirmed (runtime/protocol.py), or the checkpoint is dropped
+        when this worker leaves first. (A synchronous write waits the same way in `write`,
+        and gives up when its generation ends.)"""
+        if self.emu is not None:
+            self.emu.wait_until(self.write_end[step])
+        self.chan.await_confirmed(step, self.stopping)
 
     def _done(self, step: int, path, write_s: float, error) -> None:
         self.write_end.pop(step, None)

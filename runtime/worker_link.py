@@ -53,6 +53,10 @@ def handshake(address: str, hello: dict[str, Any], timeout: float) -> tuple[Chan
     return chan, welcome
 
 
+class Unconfirmed(RuntimeError):
+    """A checkpoint left unpublished: the coordinator never confirmed its step."""
+
+
 class CoordinatorLink:
     """What the worker sends and reads through, whichever coordinator is there. `send` never
     fails: while no coordinator is connected, messages (not heartbeats) wait and go to the
@@ -101,6 +105,15 @@ class CoordinatorLink:
 
     def confirm(self, step: int) -> None:
         self.confirmed = max(self.confirmed, step)
+
+    def await_confirmed(self, step: int, give_up: Callable[[], bool]) -> None:
+        """Return once the coordinator has confirmed `step`: a checkpoint of it may then be
+        published (runtime/protocol.py). Unconfirmed if `give_up()` turns true first."""
+        while self.confirmed < step:
+            if give_up():
+                raise Unconfirmed(f"not published: the coordinator has not confirmed step {step} "
+                                  f"(its last word confirmed step {self.confirmed})")
+            time.sleep(0.002)
 
     def may_commit(self, step: int) -> bool:
         """Whether this worker may commit `step`: its coordinator has confirmed a step at most

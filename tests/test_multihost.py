@@ -36,8 +36,8 @@ def _env(**extra: str) -> dict[str, str]:
                 KEEL_COORDINATOR_SILENCE_S=str(SILENCE_S), **extra)
 
 
-def _scenario(tmp: Path) -> Path:
-    return write_scenario(tmp, steps=STEPS, regions=REGIONS, hot_spares=0, slots=4, interval=20)
+def _scenario(tmp: Path, interval: int = 20) -> Path:
+    return write_scenario(tmp, steps=STEPS, regions=REGIONS, hot_spares=0, slots=4, interval=interval)
 
 
 def _events(out: Path) -> list[dict]:
@@ -176,12 +176,15 @@ def test_a_killed_worker_and_a_cut_off_region_are_absorbed_across_hosts(referenc
 
 def test_the_coordinator_s_host_cut_off(reference, tmp_path):
     """The coordinator's host cut off (its bridge port down: both ways, silently) while five
-    workers on five hosts train: the workers still reach one another but commit at most
-    COMMIT_LEAD_STEPS beyond what the coordinator confirmed, then hold, and exit with code 3
-    and one line saying so within silence_s (plus a margin for their last messages). `keel run
-    --resume` on the run directory ends bit-identical to the fault-free run."""
+    workers on five hosts train, a checkpoint every 4 steps: the workers still reach one another
+    but apply at most COMMIT_LEAD_STEPS beyond what the coordinator confirmed, then hold, and
+    exit with code 3 and one line saying so within silence_s (plus a margin for their last
+    messages). Nothing they did alone is committed: no checkpoint of a step past the
+    coordinator's log is published, so `keel run --resume` on the run directory starts at or
+    before its last commit, and ends bit-identical to the fault-free run."""
+    from runtime.checkpoint_read import verify_checkpoint
     from runtime.protocol import COMMIT_LEAD_STEPS, EXIT_COORDINATOR_LOST
-    path = _scenario(tmp_path)
+    path = _scenario(tmp_path, interval=4)
     with hostbed.HostBed(1 + len(WORKER_HOSTS)) as bed:
         job = Job(bed, tmp_path, "cut", path)
         job.torchrun(["a/0", "a/1", "b/0", "b/1"])
@@ -197,6 +200,8 @@ def test_the_coordinator_s_host_cut_off(reference, tmp_path):
         logs = {n: job.log(n).read_text() for n in job.workers}
         taken = _committed(job.out)
         bed.heal()
+    published = [int(p.name[5:]) for p in (job.out / "checkpoints").glob("step-*") if not verify_checkpoint(p)]
+    applied = {}
     print(f"coordinator's host cut off at step {taken}: every worker gone {exit_s:.2f} s after the cut")
     assert codes["c/0"] == EXIT_COORDINATOR_LOST, logs["c/0"][-2000:]
     assert all(c != 0 for c in codes.values())
@@ -205,12 +210,19 @@ def test_the_coordinator_s_host_cut_off(reference, tmp_path):
                          rf"exiting \(code 3\) at step (\d+), (\d+) beyond the last the coordinator confirmed", log)
         assert line, log[-2000:]
         assert int(line.group(1)) - taken <= COMMIT_LEAD_STEPS + 1 and int(line.group(2)) <= COMMIT_LEAD_STEPS
+        applied[node] = int(line.group(1))
+    print(f"steps applied by the workers alone: {applied}; checkpoints published: {sorted(published)}")
     assert exit_s < SILENCE_S + 15, f"workers outlived their coordinator's silence by {exit_s - SILENCE_S:.1f} s"
+    # the workers reached a checkpoint step past the coordinator's last commit (a writer waits at
+    # most 4 steps ahead of its confirmed step, and they may apply 16), and none was published
+    assert max(applied.values()) >= (taken // 4 + 1) * 4, (applied, taken)
+    assert published and max(published) <= taken, f"a checkpoint past the coordinator's last commit ({taken})"
     t0 = time.monotonic()
     resumed = subprocess.run([PY, "-m", "keel.cli", "run", str(path), "--resume", str(job.out), "--json"],
                              capture_output=True, text=True, cwd=str(REPO), env=_env(), timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     print(f"keel run --resume: {time.monotonic() - t0:.1f} s to the end of the run")
     summary = json.loads(resumed.stdout)
+    assert summary["start_step"] == max(published) <= taken
     assert summary["final_weights_sha256"] == reference["final_weights_sha256"]
     assert summary["losses"] == reference["losses"][-len(summary["losses"]):]

@@ -158,3 +158,39 @@ def test_a_worker_freezes_itself_and_wakes_at_the_heal():
         if proc.poll() is None:
             os.kill(proc.pid, 9)
     assert proc.returncode == 0 and float(out) >= 0.9
+
+
+# ----------------------------------------------------------------------------- what a cut-off worker leaves
+
+def test_a_checkpoint_is_published_only_once_the_coordinator_confirmed_its_step(tmp_path):
+    """A worker cut off from its coordinator applies steps ahead, in memory; its checkpoint of
+    such a step is written, then waits before the rename that publishes it: published once the
+    coordinator confirms the step, dropped (no directory left) when the wait is given up."""
+    import threading
+    import torch
+    from runtime import checkpoint as ck
+    from runtime.checkpoint_read import find_latest
+    from runtime.worker_link import CoordinatorLink, Unconfirmed
+    model = torch.nn.Linear(3, 2)
+    args = dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), rng=ck.capture_rng(),
+                data_state={}, config_hash="0" * 64, config={}, topology={})
+    link = CoordinatorLink("198.18.0.1:29400", chan=None, silence_s=6.0)
+    link.confirm(4)
+    ck.save_checkpoint(tmp_path, step=4, before_commit=lambda: link.await_confirmed(4, lambda: True), **args)
+    give_up = threading.Event()
+    threading.Timer(0.3, give_up.set).start()
+    with pytest.raises(Unconfirmed, match="has not confirmed step 8"):
+        ck.save_checkpoint(tmp_path, step=8, before_commit=lambda: link.await_confirmed(8, give_up.is_set), **args)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]  # nothing of step 8, no leftover
+    threading.Timer(0.3, link.confirm, args=(8,)).start()
+    t0 = time.monotonic()
+    path = ck.save_checkpoint(tmp_path, step=8, before_commit=lambda: link.await_confirmed(8, lambda: False), **args)
+    assert time.monotonic() - t0 >= 0.25 and find_latest(tmp_path) == path
+
+
+def test_the_coordinator_confirms_at_once_the_steps_a_checkpoint_waits_on():
+    from runtime.protocol import CONFIRM_EVERY_STEPS, confirm_due
+    assert confirm_due(20, 19, checkpoint_interval=10)  # a checkpoint step: its writer is waiting
+    assert not confirm_due(21, 20, checkpoint_interval=10)
+    assert not confirm_due(20, 20, checkpoint_interval=10)  # already said
+    assert confirm_due(20 + CONFIRM_EVERY_STEPS, 20, checkpoint_interval=1000)  # the commit lead

@@ -49,8 +49,9 @@ class StepCost:
         return self._expected_cache[key]
 
     def shape(self, with_spikes: bool = True, nodes: list[Node] | None = None,
-              slots: dict[str, int] | None = None) -> StepShape:
-        """The step model for the cluster now, or for a trial layout (`nodes` with `slots`)."""
+              slots: dict[str, int] | None = None, without: Spike | None = None) -> StepShape:
+        """The step model for the cluster now, or for a trial layout (`nodes` with `slots`);
+        every active spike in it but `without`."""
         p = self.params
         c = self.cluster
         if nodes is None:
@@ -78,11 +79,18 @@ class StepCost:
         # the reduction
         chains = self.topology.reduction_chains(per_region)
         offset = {r: zero * lat_scale + (full - zero) * byte_scale for r, (zero, full) in chains.items()}
-        spike = 0.0
+        spike = 0.0  # a node's spike: its delay to the step (node level); a region's: per region's chain
+        spiked: dict[str, float] = {}
         if with_spikes:
             for sp in c.spikes.values():
-                if sp.active and not sp.moves and (not is_node(sp.target) or is_member(sp.target)):
+                if not sp.active or sp.moves or sp is without:
+                    continue
+                if not is_node(sp.target):
+                    for r, d in self.topology.spike_chain_deltas_s(sp.target, sp.spike_s, per_region).items():
+                        spiked[r] = max(spiked.get(r, 0.0), d)
+                elif is_member(sp.target):
                     spike = max(spike, self.spike_delay(sp, per_region, members=[n for n in c.nodes if is_member(n)]))
+        offset = {r: o + spiked.get(r, 0.0) for r, o in offset.items()}
         return StepShape(tuple(sorted((n, base, offset.get(region, 0.0)) for (region, base), n in groups.items())),
                          p.compute_jitter, p.step_overhead_s + spike, red.latency_s * lat_scale, red.jitter_s)
 
@@ -102,7 +110,8 @@ class StepCost:
 
     def spike_delay(self, spike: Spike, per_region: dict[str, int], step: int | None = None,
                     members: list[str] | None = None) -> float:
-        """A spike's delay to one step's collective (Topology.spike_delay_s): at its mean, or,
+        """A spike's delay to one step (a node's: Topology.spike_delay_s; a region's: what its
+        per-region chains, `shape`, add to the step's expectation now): at its mean, or,
         for 0-based step `step`, at the runtime's own draw for that step
         (`keel.scenario.spike_factor`): a node's own draw; for a region, the mean of its
         holders' draws (each node's messages carry its own draw, and which of them the
@@ -112,6 +121,8 @@ class StepCost:
         if step is not None:
             draws = [spike_factor(self.scenario.run.seed, n.name, step) for n in self.cluster.spiked_holders(spike)]
             factor = sum(draws) / len(draws) if draws else 1.0
+        if not is_node(spike.target):  # per region's chain (shape): what it adds to the step's expectation
+            return factor * max(0.0, self.expected_s(self.shape()) - self.expected_s(self.shape(without=spike)))
         if members is None:
             members = [n.name for n in self.cluster.active() if n.slots > 0]
         return self.topology.spike_delay_s(spike.target, spike.spike_s * factor, per_region, members)

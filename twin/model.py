@@ -35,14 +35,14 @@ Semantics (docs/design.md for step numbering and fault ids):
   finish it before they see the abort: StepCost.drain_s) + the slowest state copy, and redoes
   the interrupted step. With no live training node left there is no copy of the state: it
   falls back to a restart from the last checkpoint (a `restart` event).
-- `network_jitter`: a spike adds `Topology.spike_delay_s` to every step while it lasts. Under
-  absorb, if that makes its target a straggler (keel.recovery's rule, twin/stragglers.py), the
-  straggler is detected at its first slow step and after straggler_window slow steps its slots
-  move (keel.recovery.park_destinations: to a spare, else to the least-loaded nodes; a
-  region's to the other regions) if that makes steps faster, and move back when the spike
-  ends (after the last spike on the parked node, and straggler_window good probes). The
-  episode ends with a `recover_end` when the spike is over, or, if the run ends first, just
-  before `run_end`, marked `at_run_end` (keel.metrics.open_at_end, as the runtime does).
+- `network_jitter`: a spike delays every step while it lasts (StepCost.shape: a node's by its
+  messages, a region's per reduction chain). Under absorb, a straggler (keel.recovery's rule,
+  twin/stragglers.py) is detected at its first slow step and after straggler_window slow steps
+  its slots move (to a spare, else to the least-loaded nodes, a region's to the other regions:
+  keel.recovery.park_destinations) if that makes steps faster, and move back when the spike
+  ends (after the last spike on the parked node, and straggler_window good probes). The episode ends with a `recover_end` when
+  the spike is over, or, if the run ends first, just before `run_end`, marked `at_run_end`
+  (keel.metrics.open_at_end, as the runtime does).
 - `data_shard_skew`: the step in flight yields NaN at its end and is not committed. With
   policy.quarantine the shard is quarantined; absorb redoes the step, checkpoint_restart rolls
   back to the last checkpoint (a restart). A drawn NaN on a quarantined shard is skipped.

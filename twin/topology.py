@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import networkx as nx
 
@@ -93,7 +93,7 @@ class Topology:
         self._route_cache: dict[tuple[str, str], tuple[float, tuple[tuple[str, str], ...], float]] = {}
         self._ring_cache: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._cost_cache: dict[tuple[tuple[str, int], ...], ReductionCost] = {}
-        self._spike_cache: dict[tuple, float] = {}
+        self._spike_cache: dict[tuple, Any] = {}
         self._chain_cache: dict[tuple, dict[str, tuple[float, float]]] = {}
 
     # -- routing over the links between regions
@@ -299,6 +299,25 @@ class Topology:
             if is_node(target):  # the node's own messages, not its region's: at node level
                 got = max(0.0, self.node_collective_s(ring, rounds, (target, spike_s)) - self.node_collective_s(ring, rounds))
             self._spike_cache[key] = got
+        return got
+
+    def spike_chain_deltas_s(self, region: str, spike_s: float, active_per_region: dict[str, int]) -> dict[str, float]:
+        """What a latency spike on `region`'s links adds to the chain of the step's all-reduces
+        that starts in each active region (`chains_s` with and without it). A chain that starts
+        in the spiked region crosses its sends more often than one that starts elsewhere
+        (multiregion-46, block32: 1.2 s from ap-southeast, 0.8 s from the others, for 0.4 s),
+        and which region starts the longest chain depends on whose compute ends last, so the
+        step model adds these per region (twin/cost.py), not the largest to every step."""
+        shape = tuple(sorted((r, n) for r, n in active_per_region.items() if n > 0))
+        if dict(shape).get(region, 0) == 0 or spike_s <= 0:
+            return {}
+        key = ("chains", shape, region, round(spike_s, 9))
+        got = self._spike_cache.get(key)
+        if got is None:
+            rounds = wire.scenario_rounds(self.scenario)
+            base = self.chains_s(dict(shape), rounds)
+            spiked = self.chains_s(dict(shape), rounds, (region, spike_s))
+            got = self._spike_cache[key] = {r: max(0.0, spiked[r] - base[r]) for r in base}
         return got
 
     def node_collective_s(self, groups: Sequence[Sequence[str]], rounds: Sequence[tuple[float, bool]],

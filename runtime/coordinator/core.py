@@ -38,7 +38,7 @@ from runtime.coordinator.state import EMU_STATS, JOIN_TIMEOUT_S, CoordinatorStat
 from runtime.coordinator.stragglers import StragglerWatch
 from runtime.coordinator.workers import WorkerState
 from runtime.inject import planned_faults, poison_schedule
-from runtime.protocol import (CONFIRM_EVERY_STEPS, Channel, ProtocolError, check_worker_message, env_secret,
+from runtime.protocol import (Channel, ProtocolError, check_worker_message, confirm_due, env_secret,
                               heartbeat_period, hello_timeout_s, silence_s)
 
 STALL_MIN_S = 60.0
@@ -280,8 +280,9 @@ class Coordinator:
         now = time.monotonic()
         admission.drop_strangers(self, now)
         self.sup.beat()
-        if now - self.hb_sent > self.hb_period or st.committed - self.hb_committed >= CONFIRM_EVERY_STEPS:
-            self.hb_sent, self.hb_committed = now, st.committed  # silence and commit lead (protocol.py)
+        if now - self.hb_sent > self.hb_period or confirm_due(st.committed, self.hb_committed,
+                                                              self.sc.checkpoint.interval_steps):
+            self.hb_sent, self.hb_committed = now, st.committed  # silence, commit lead, publication (protocol.py)
             for w in st.workers.values():
                 if w.chan is not None:
                     w.chan.send({"type": "hb", "committed": st.committed})
