@@ -28,20 +28,25 @@ import torch
 
 from keel.scenario import region_of
 
-from runtime.emulation.worker import EmulatedNodeMixin
+from runtime.emulation.worker import EmulatedComms, warm_up
 from runtime.groups import PG_TIMEOUT, WILDCARDS, GroupFactory
 from runtime.inject import CommGate, kill_self, poisoned_at
 from runtime.protocol import COORDINATOR_SILENCE_S, EXIT_COORDINATOR_LOST, SECRET_ENV, ProtocolError, env_secret, parse_address
 from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter, moment_bounds, reduction_format
-from runtime.worker_checkpoint import CheckpointMixin
-from runtime.worker_link import CoordinatorLink, Refused, RejoinMixin, handshake
-from runtime.worker_state import StateMixin
+from runtime.worker_checkpoint import Checkpoints
+from runtime.worker_link import CoordinatorLink, Refused, handshake, hold_commit, rejoin
+from runtime.worker_state import load_checkpoint, transfer_state
 from runtime.worker_process import error_text, freeze_self, pick_device, set_pdeathsig
 
 JOIN_WAIT_S = 60.0  # how long a new worker retries a coordinator that refuses connections (not up yet)
 
 
-class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
+class Worker:
+    """One node's worker. Its parts: the job (runtime/job_run.py), the reducer, the link to its
+    coordinator (worker_link.py, with `rejoin` and `hold_commit`), its checkpoints
+    (worker_checkpoint.Checkpoints), the state sent to members behind (worker_state.py) and,
+    emulated, its node and links (runtime/emulation/worker.py)."""
+
     def __init__(self, address: str, node: str | None, rank_hint: int | None):
         t_start = time.perf_counter()
         host, welcome = self._join(address, node, rank_hint)
@@ -65,16 +70,12 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
         self.abort_event = threading.Event()
         self.inbox: queue.Queue = queue.Queue()
         self.standby = True
-        self.checkpointer = None
-        self._stalls: dict[int, float] = {}
-        self._write_end: dict = {}          # emulated: step -> when its write ends ("last": the newest)
-        self._write_s: dict[int, float] = {}
-        self._ring = None                   # emulated: the reduction's layout, by rank
-        self._round = 0
+        self.checkpoints = Checkpoints(sc, self.run_info, self.chan, self.job, self.emu,
+                                       aborted=self.abort_event.is_set, stopping=lambda: self.stopping)
         self._warmup = True                 # emulated: this process has not yet reported a step
         self.at = "joined, idle"  # where this worker is, sent with every heartbeat (stall reports)
         if self.emu is not None:
-            self._warm_up()
+            warm_up(self.job)
         threading.Thread(target=self._reader, daemon=True, name="reader").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         self.chan.send({"type": "joined", "committed": self.committed})
@@ -127,9 +128,12 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
             from runtime.emulation.node import NodeEmulation
             self.emu = NodeEmulation(sc, self.node, float(emu["anchor"]), float(emu["scale"]))
             self.scale = self.emu.scale
+        self.comms = EmulatedComms(sc, self.emu, self.waiter) if self.emu else None  # its links, emulated
         self.reducer = SlotReducer(self.layout, sc.slot_count, self.device, self.waiter,
-                                   collective=self._emulated_collective if self.emu else None,
+                                   collective=self.comms.collective if self.comms else None,
                                    fmt=reduction_format(sc))
+        if self.comms:
+            self.comms.reducer = self.reducer
 
     # ------------------------------------------------------------------------- control threads
 
@@ -141,7 +145,7 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
                     os._exit(0)
                 print(f"worker {self.node}: the coordinator's connection closed or went silent; rejoining",
                       file=sys.stderr, flush=True)
-                if self._rejoin():
+                if rejoin(self):
                     continue
                 print(f"worker {self.node}: no coordinator took this worker back within "
                       f"{self.chan.silence_s:g} s; exiting (code {EXIT_COORDINATOR_LOST}) at step {self.committed}, "
@@ -155,7 +159,7 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
             if kind == "stop":
                 self.stopping = True
             if kind == "abort":
-                self._abort(int(msg["gen"]))
+                self.abort(int(msg["gen"]))
                 self.inbox.put(msg)
             elif kind == "jitter":
                 self.gate.start(int(msg["index"]), float(msg["spike_ms"]), float(msg["duration_s"]),
@@ -193,10 +197,15 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
                 self.standby = True
                 self.at = f"standing by (gen {msg.get('gen')})"
             elif kind == "stop":
-                self._finish_checkpoint()
+                self.checkpoints.finish()
                 self.chan.send({"type": "bye"})
                 time.sleep(0.05)
                 os._exit(0)
+
+    def abort(self, gen: int) -> None:
+        self.abort_gen = max(self.abort_gen, gen)
+        self.abort_event.set()
+        self.waiter.interrupt()
 
     def aborted(self, gen: int) -> bool:
         return self.abort_gen >= gen
@@ -227,9 +236,9 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
         try:
             self.at = f"gen {g} rank {rank}/{world}: forming the group"
             pg = self.groups.make(g, rank, world, retire=True)
-            if self.emu is not None:
-                self._ring = None
-                self._connect(pg, rank, should_abort)
+            if self.comms is not None:
+                self.comms.generation(g, rank, self.members)
+                self.comms.connect(pg, should_abort)
             t_pg = (time.perf_counter() - t0) / self.scale
             if self.emu is not None:
                 self.emu.start_generation(float(msg.get("not_before", 0.0)))
@@ -238,10 +247,10 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
             t1 = time.perf_counter()
             if msg.get("load") and rank == msg["source"]:
                 self.at = f"gen {g}: loading {msg['load']}"
-                self._load_checkpoint(msg["load"])
+                load_checkpoint(self, msg["load"])
             if msg.get("behind"):
-                self._transfer_state(g, rank, int(msg["source"]), list(msg["behind"]), should_abort,
-                                     loaded=bool(msg.get("load")))
+                transfer_state(self, g, rank, int(msg["source"]), list(msg["behind"]), should_abort,
+                               loaded=bool(msg.get("load")))
             self.committed = int(msg["start_step"])
             self.chan.confirm(self.committed)
             t_state = time.perf_counter() - t1 if self.emu is None else self.emu.c - c1
@@ -283,7 +292,8 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
             t0 = time.perf_counter()
             emu = self.emu
             c0 = emu.c if emu is not None else 0.0
-            self._round = 0
+            if self.comms is not None:
+                self.comms.begin_step(step)
             self.at = f"gen {g} step {step + 1}: computing {len(self.slots)} slot(s)"
             vectors, batches = self._compute_slots(step)
             t_compute = time.perf_counter() - t0
@@ -307,7 +317,7 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
                 self._nonfinite(g, step, sorted(suspects), should_abort)
                 continue  # redo the step with the new quarantine set
             if not self.chan.may_commit(step + 1):
-                self._hold_commit(step + 1, should_abort)
+                hold_commit(self, step + 1, should_abort)
             self.job.apply(mean)
             self.committed = step + 1
             t_total = time.perf_counter() - t0
@@ -324,9 +334,9 @@ class Worker(CheckpointMixin, StateMixin, EmulatedNodeMixin, RejoinMixin):
             self.at = f"gen {g}: step {self.committed} done"
             if self.rank == 0 and self.committed % self.scenario.checkpoint.interval_steps == 0:
                 self.at = f"gen {g}: checkpoint of step {self.committed}"
-                self._checkpoint(g)
+                self.checkpoints.write(g, self.committed, self.members, self.slot_map, self.quarantine)
         self.at = f"gen {g}: finishing the last checkpoint"
-        self._finish_checkpoint()
+        self.checkpoints.finish()
         self.at = f"gen {g}: done at step {self.committed}"
         self.chan.send({"type": "done", "gen": g, "committed": self.committed,
                         "sha256": self.job.weights_sha256(), "params": sum(self.job.sizes)})

@@ -157,48 +157,44 @@ class CoordinatorLink:
         self.chan.close()
 
 
-class RejoinMixin:
-    """The worker's side of a coordinator's succession (a mixin of runtime.worker.Worker)."""
+# ----------------------------------------------------------------------------- the worker's side
+# Functions of the Worker (runtime/worker.py): its link (`chan`), its abort signal, its inbox.
 
-    def _abort(self, gen: int) -> None:
-        self.abort_gen = max(self.abort_gen, gen)
-        self.abort_event.set()
-        self.waiter.interrupt()
+def hold_commit(w, step: int, should_abort: Callable[[], bool]) -> None:
+    """Commit `step` only once the coordinator has confirmed enough (CoordinatorLink.may_commit):
+    wait for its word, or for the generation's abort. A coordinator that stays silent ends
+    this process from the reader thread after `silence_s`, the step uncommitted."""
+    from runtime.reduction import Aborted
+    t0 = time.monotonic()
+    said = False
+    while not w.chan.may_commit(step):
+        if should_abort():
+            raise Aborted()
+        if not said and time.monotonic() - t0 > 1.0:
+            said = True
+            print(f"worker {w.node}: holding step {step} uncommitted: the coordinator confirmed step "
+                  f"{w.chan.confirmed}, its last word {time.monotonic() - w.chan.last_heard:.1f} s ago",
+                  file=sys.stderr, flush=True)
+        w.abort_event.wait(0.002)
 
-    def _hold_commit(self, step: int, should_abort: Callable[[], bool]) -> None:
-        """Commit `step` only once the coordinator has confirmed enough (CoordinatorLink.may_commit):
-        wait for its word, or for the generation's abort. A coordinator that stays silent ends
-        this process from the reader thread after `silence_s`, the step uncommitted."""
-        from runtime.reduction import Aborted
-        t0 = time.monotonic()
-        said = False
-        while not self.chan.may_commit(step):
-            if should_abort():
-                raise Aborted()
-            if not said and time.monotonic() - t0 > 1.0:
-                said = True
-                print(f"worker {self.node}: holding step {step} uncommitted: the coordinator confirmed step "
-                      f"{self.chan.confirmed}, its last word {time.monotonic() - self.chan.last_heard:.1f} s ago",
-                      file=sys.stderr, flush=True)
-            self.abort_event.wait(0.002)
 
-    def _rejoin(self) -> bool:
-        """Rejoin a successor coordinator (module docstring). What the dead one sent and this
-        worker has not acted on is dropped; the generation it is in is left (the successor
-        forms the next one), and so is any it may still find queued."""
-        hello = lambda: {"node": self.node, "rejoin": {  # noqa: E731
-            "gen": self.gen, "committed": self.committed, "in_gen": self.gen >= 0 and self.acked_gen < self.gen}}
-        welcome = self.chan.rejoin(hello, lambda: self.stopping)
-        if welcome is None:
-            return False
-        while True:
-            try:
-                self.inbox.get_nowait()
-            except queue.Empty:
-                break
-        print(f"worker {self.node}: rejoined the coordinator (gen {self.gen}, step {self.committed})",
-              file=sys.stderr, flush=True)
-        self._abort(max(self.gen, int(welcome.get("gen", -1))))
-        if self.gen >= 0 and self.acked_gen < self.gen:
-            self.inbox.put({"type": "abort", "gen": self.gen})  # if idle, serve() says it left
-        return True
+def rejoin(w) -> bool:
+    """Rejoin a successor coordinator (module docstring). What the dead one sent and this
+    worker has not acted on is dropped; the generation it is in is left (the successor
+    forms the next one), and so is any it may still find queued."""
+    hello = lambda: {"node": w.node, "rejoin": {  # noqa: E731
+        "gen": w.gen, "committed": w.committed, "in_gen": w.gen >= 0 and w.acked_gen < w.gen}}
+    welcome = w.chan.rejoin(hello, lambda: w.stopping)
+    if welcome is None:
+        return False
+    while True:
+        try:
+            w.inbox.get_nowait()
+        except queue.Empty:
+            break
+    print(f"worker {w.node}: rejoined the coordinator (gen {w.gen}, step {w.committed})",
+          file=sys.stderr, flush=True)
+    w.abort(max(w.gen, int(welcome.get("gen", -1))))
+    if w.gen >= 0 and w.acked_gen < w.gen:
+        w.inbox.put({"type": "abort", "gen": w.gen})  # if idle, serve() says it left
+    return True

@@ -138,9 +138,9 @@ def test_stall_report_names_what_each_member_last_said():
                                   "ckpt_end", "done", "error"])
 def test_every_worker_message_the_protocol_declares_has_a_handler(kind):
     from runtime import protocol
-    from runtime.coordinator.core import Coordinator
+    from runtime.coordinator.messages import HANDLERS
     assert kind in protocol.__doc__
-    assert kind in Coordinator.HANDLERS
+    assert kind in HANDLERS
 
 
 def test_a_spike_that_made_no_straggler_ends_with_the_spike():
@@ -167,3 +167,19 @@ def test_the_straggler_watch_survives_a_snapshot_by_name():
     watch.probe("c", 0.0)
     back = StragglerWatch.restored(1.5, 3, json.loads(json.dumps(watch.state())))
     assert back == watch and back.slow["c"] == 2 and back.ok_probes["c"] == 1
+
+
+def test_the_coordinator_and_the_worker_are_no_mixins():
+    """Their state in plain view (issue 23): no mixin in runtime/coordinator/ nor in the worker's
+    modules; the coordinator's decisions read and write one dataclass (state.py)."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+    from runtime.coordinator.state import CoordinatorState
+    root = Path(__file__).resolve().parents[1] / "runtime"
+    files = [*(root / "coordinator").rglob("*.py"), *root.glob("worker*.py"), root / "emulation" / "worker.py"]
+    mixed = [f"{p.name}:{c.name}" for p in files for c in ast.walk(ast.parse(p.read_text()))
+             if isinstance(c, ast.ClassDef) and (c.name.endswith("Mixin") or len(c.bases) > 1)]
+    assert mixed == []
+    assert {"phase", "gen", "members", "slot_map", "committed", "book", "quarantine", "fired"} <= {
+        f.name for f in dataclasses.fields(CoordinatorState)}

@@ -30,7 +30,7 @@ target = "b"
 
 
 def test_a_toy_class_is_picked_up_by_the_loader_the_twin_and_the_runtime():
-    from runtime.coordinator.faults import FaultsMixin
+    from runtime.coordinator import faults
     from runtime.inject import planned_faults
     text = scenario_text(steps=8, extra=TOY)
     with pytest.raises(ScenarioError, match="faults"):  # not registered: unknown
@@ -51,8 +51,7 @@ def test_a_toy_class_is_picked_up_by_the_loader_the_twin_and_the_runtime():
         planned = planned_faults(sc)
         assert [(p.cls, p.mode) for p in planned] == [("toy_fault", "toy")]
         toy.FIRED.clear()
-        coord = SimpleNamespace(fired=1)
-        assert FaultsMixin._fire(coord, planned[0]) is False  # the coordinator's dispatch
+        assert faults.fire(SimpleNamespace(), planned[0], 0) is False  # the coordinator's dispatch
         assert toy.FIRED == [("b", 0)]
     assert "toy_fault" not in FC.REGISTRY and "toy_fault" not in FC.FAULT_CLASSES
     with pytest.raises(ScenarioError):

@@ -150,13 +150,13 @@ def test_a_coordinator_loss_is_one_episode_of_the_same_shape_on_both_sides(tmp_p
 
 def test_a_spare_gets_its_state_from_its_own_region_on_both_sides():
     """keel.recovery.state_source_region, as the runtime's coordinator applies it
-    (GenerationsMixin._state_source: the sending rank) and as the twin prices the copy
+    (generations.state_source: the sending rank) and as the twin prices the copy
     (StepCost.transfer_s: from the spare's own region, at the NIC's bandwidth, not over a
     200 Gbit/s link from us-east/0, the first member)."""
     from types import SimpleNamespace
     from keel import hardware, recovery as R
     from keel.scenario import load
-    from runtime.coordinator.generations import GenerationsMixin
+    from runtime.coordinator import generations
     from twin.cluster import Cluster
     from twin.cost import StepCost
     from twin.params import TwinParams
@@ -171,7 +171,7 @@ def test_a_spare_gets_its_state_from_its_own_region_on_both_sides():
     members = [n for n in sc.node_names if n not in ("us-east/3", "ap-southeast/7")]
     live = [SimpleNamespace(node=n, committed=0 if n == "ap-southeast/6" else 5) for n in members]
     fake = SimpleNamespace(region_of={n: n.rsplit("/", 1)[0] for n in sc.node_names}, sc=sc)
-    source = GenerationsMixin._state_source(fake, live, 5, False)
+    source = generations.state_source(fake, live, 5, False)
     assert live[source].node == "ap-southeast/0"
     # the twin: the same copy costs the spare's own NIC, not the inter-region link
     topo = Topology(sc)

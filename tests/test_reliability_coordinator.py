@@ -157,18 +157,14 @@ def test_a_killed_coordinator_is_replaced_and_the_run_carries_on(tmp_path, recor
 def test_a_long_operation_is_not_taken_for_a_hang():
     """Verifying a large checkpoint (checkpoint_restart's find_latest) can outlast the
     supervisor's hang watch (silence_s / 3, at least 2 s): the coordinator runs it in a thread
-    and keeps saying hb meanwhile (succession.in_background), here over a real socketpair."""
+    and keeps saying hb meanwhile (link.SupervisorLink.in_background), here over a real socketpair."""
     import socket
     import threading
-    from runtime.coordinator.succession import HB_S, SuccessionMixin
+    from runtime.coordinator.link import HB_S, SupervisorLink
     from runtime.protocol import Channel
-
-    class Coordinator(SuccessionMixin):
-        failure = None
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
-    c = Coordinator()
-    c.init_succession(Channel(ours), None, 0)
+    c = SupervisorLink(Channel(ours))
     sup = Channel(theirs)
     heard: list[float] = []
     reader = threading.Thread(target=lambda: [heard.append(time.monotonic()) for _ in iter(sup.recv, None)], daemon=True)
@@ -178,7 +174,7 @@ def test_a_long_operation_is_not_taken_for_a_hang():
     took = time.monotonic() - t0
     with pytest.raises(ZeroDivisionError):  # its exception reaches the caller
         c.in_background(lambda: 1 / 0)
-    c.link.close()
+    c.chan.close()
     reader.join(5)
     during = [t for t in heard if t0 <= t <= t0 + took]
     assert len(during) >= 2, f"{len(during)} hb in {took:.2f} s"

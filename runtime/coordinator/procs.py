@@ -87,32 +87,32 @@ class LocalProcess:
 
 class SupervisedProcess:
     """A coordinator's handle on a worker its supervisor started (for it or for a
-    predecessor): signalled by pid, its exit told over the link (`coord.exits`)."""
+    predecessor): signalled by pid, its exit told over the link (link.SupervisorLink.exits)."""
 
-    def __init__(self, coord, pid: int):
-        self.coord = coord
+    def __init__(self, link, pid: int):
+        self.link = link
         self.pid = pid
 
     def poll(self) -> int | None:
-        return self.coord.exits.get(self.pid)
+        return self.link.exits.get(self.pid)
 
     @property
     def returncode(self) -> int | None:
         return self.poll()
 
     def wait(self, timeout: float | None = None) -> int | None:
-        if not self.coord.link_wait(lambda: self.pid in self.coord.exits, 3600.0 if timeout is None else timeout):
+        if not self.link.wait(lambda: self.pid in self.link.exits, 3600.0 if timeout is None else timeout):
             raise subprocess.TimeoutExpired("worker", timeout)
-        return self.coord.exits[self.pid]
+        return self.link.exits[self.pid]
 
     def signal(self, sig: int) -> bool:
-        if self.pid in self.coord.exits:  # gone: the pid may be another process's by now
+        if self.pid in self.link.exits:  # gone: the pid may be another process's by now
             return False
         return signal_pid(self.pid, sig)
 
     def stop(self, timeout: float) -> None:
         """Wait up to `timeout` for it to exit, then SIGKILL it."""
-        if self.pid in self.coord.exits:
+        if self.pid in self.link.exits:
             return
         try:
             self.wait(max(0.1, timeout))

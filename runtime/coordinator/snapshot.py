@@ -25,7 +25,9 @@ from keel.durable import fsync_dir, write_synced
 from keel.events import Event, EventLogError, validate_event
 
 from runtime.coordinator import injections
-from runtime.coordinator.episodes import Episode, Stage
+from runtime.coordinator.episodes import Episode, EpisodeBook, Stage
+from runtime.coordinator.state import CoordinatorState, Phase
+from runtime.coordinator.stragglers import StragglerWatch
 from runtime.coordinator.workers import WorkerState
 
 STATE_FILE = "coordinator.json"
@@ -35,24 +37,24 @@ KEEP_INTERVALS = 10_000  # clean commit intervals kept for the step-time median
 REJOIN_GRACE_S = 2.0     # wall seconds a successor adds to its detection timeouts for rejoins
 
 _WORKER_FIELDS = ("pid", "alive", "joined", "committed", "role", "parked", "machine_down", "done_sha", "ready_gen")
-_SCALARS = ("t0", "gen", "phase", "gen_start_step", "start_step", "fired", "restarts", "not_before",
-            "load_path", "final_sha", "last_commit_t", "deaths_logged")
+_PLAIN = ("t0", "gen", "phase", "gen_start_step", "start_step", "fired", "restarts", "not_before",
+            "load_path", "final_sha", "last_commit_t", "deaths_logged", "members", "slot_map", "to_park",
+            "to_unpark", "checkpoints", "pid_history", "emu_stats")  # CoordinatorState fields JSON holds as they are
 
 
 def snapshot(c: Any) -> dict[str, Any]:
-    """Everything the event log does not say, as plain JSON."""
-    w = c.watch
+    """Everything the event log does not say: the durable fields of the coordinator's state
+    (state.CoordinatorState), as plain JSON."""
+    st = c.state
     return {
         "version": VERSION, "n_events": len(c.log.events) - c.events_start, "pid": os.getpid(),
-        **{k: getattr(c, k) for k in _SCALARS},
-        "members": c.members, "slot_map": c.slot_map, "quarantine": sorted(c.quarantine),
-        "to_park": c.to_park, "to_unpark": c.to_unpark, "checkpoints": c.checkpoints,
-        "pid_history": c.pid_history, "intervals": c.intervals[-KEEP_INTERVALS:],
-        "gen_t": {str(g): t for g, t in c.gen_t.items() if g >= c.gen - 1}, "emu_stats": c.emu_stats,
-        "watch": w.state(),
-        "episodes": [{**dataclasses.asdict(ep), "stage": int(ep.stage)} for ep in c.book],
-        "killed": c.book.killed,
-        "workers": {n: {k: getattr(x, k) for k in _WORKER_FIELDS} for n, x in c.workers.items()},
+        **{k: getattr(st, k) for k in _PLAIN},
+        "quarantine": sorted(st.quarantine), "intervals": st.intervals[-KEEP_INTERVALS:],
+        "gen_t": {str(g): t for g, t in st.gen_t.items() if g >= st.gen - 1},
+        "watch": st.watch.state(),
+        "episodes": [{**dataclasses.asdict(ep), "stage": int(ep.stage)} for ep in st.book],
+        "killed": st.book.killed,
+        "workers": {n: {k: getattr(x, k) for k in _WORKER_FIELDS} for n, x in st.workers.items()},
     }
 
 
@@ -96,68 +98,61 @@ def run_events(path: Path) -> list[Event]:
     return events[starts[-1]:] if starts else []
 
 
-def restore(c: Any, state: dict[str, Any]) -> None:
-    """Set the coordinator `c` (fresh, same scenario) to the dead one's state: the snapshot,
-    then the events beyond it."""
-    from runtime.coordinator.stragglers import StragglerWatch
-    for k in _SCALARS:
-        setattr(c, k, state[k])
-    c.members = list(state["members"])
-    c.slot_map = {m: list(s) for m, s in state["slot_map"].items()}
-    c.quarantine = set(state["quarantine"])
-    c.to_park, c.to_unpark = dict(state["to_park"]), dict(state["to_unpark"])
-    c.checkpoints = list(state["checkpoints"])
-    c.pid_history = {n: list(p) for n, p in state["pid_history"].items()}
-    c.intervals = [tuple(x) for x in state["intervals"]]
-    c.gen_t = {int(g): t for g, t in state["gen_t"].items()}
-    c.emu_stats = dict(state["emu_stats"])
-    w = state["watch"]
-    c.watch = StragglerWatch.restored(c.policy.straggler_factor, c.policy.straggler_window, w)
+def restore(c: Any, state: dict[str, Any]) -> CoordinatorState:
+    """The dead coordinator's state, for the coordinator `c` (fresh, same scenario): the
+    snapshot, then the events beyond it (which `c`'s log then holds)."""
+    book = EpisodeBook()
     for d in state["episodes"]:
         ep = Episode(**{**d, "stage": Stage(d["stage"])})
-        c.book.episodes[ep.fault_id] = ep
-    c.book.killed = dict(state["killed"])
+        book.episodes[ep.fault_id] = ep
+    book.killed = dict(state["killed"])
     now = time.monotonic()
-    c.workers = {n: WorkerState(node=n, last_seen=now + REJOIN_GRACE_S, **{k: x[k] for k in _WORKER_FIELDS})
-                 for n, x in state["workers"].items()}
+    st = CoordinatorState(
+        **{k: state[k] for k in _PLAIN if k != "phase"}, phase=Phase(state["phase"]),
+        quarantine=set(state["quarantine"]), intervals=[tuple(x) for x in state["intervals"]],
+        gen_t={int(g): t for g, t in state["gen_t"].items()}, book=book,
+        watch=StragglerWatch.restored(c.policy.straggler_factor, c.policy.straggler_window, state["watch"]),
+        workers={n: WorkerState(node=n, last_seen=now + REJOIN_GRACE_S, **{k: x[k] for k in _WORKER_FIELDS})
+                 for n, x in state["workers"].items()})
     events = run_events(c.log.path)
     c.log.events = events
     c.events_start = 0
-    c.committed = c.start_step
+    st.committed = st.start_step
     for e in events:
         if e.kind == "step":
-            c.committed = e.step
-            c.losses[e.step] = e.detail["loss"]
+            st.committed = e.step
+            st.losses[e.step] = e.detail["loss"]
         elif e.kind == "restart":  # checkpoint_restart rolled the run back to its checkpoint
-            c.committed = int(e.detail["from_step"])
-    _replay(c, events[state["n_events"]:])
+            st.committed = int(e.detail["from_step"])
+    _replay(st, events[state["n_events"]:])
+    return st
 
 
-def _replay(c: Any, tail: list[Event]) -> None:
+def _replay(st: CoordinatorState, tail: list[Event]) -> None:
     """Apply the events the dead coordinator wrote after its last snapshot."""
     for e in tail:
-        ep = c.book.get(e.detail.get("fault_id"))
+        ep = st.book.get(e.detail.get("fault_id"))
         if e.kind == "fault" and ep is None:
             ep = Episode(e.detail["fault_id"], e.fault, e.target, e.action, e.t, nodes=list(e.detail.get("nodes", ())))
-            c.book.episodes[ep.fault_id] = ep
+            st.book.episodes[ep.fault_id] = ep
             for n in ep.nodes:
                 if e.detail.get("mode") in injections.NODE_LOSS_MODES:
-                    c.book.killed[n] = ep.fault_id
+                    st.book.killed[n] = ep.fault_id
             if "planned" in e.detail:
-                c.fired = max(c.fired, int(e.detail["planned"]) + 1)
+                st.fired = max(st.fired, int(e.detail["planned"]) + 1)
         elif ep is not None and e.kind == "detect":
             ep.detect(e.t)
             if "death" in e.detail:
-                c.deaths_logged = max(c.deaths_logged, int(e.detail["death"]))
+                st.deaths_logged = max(st.deaths_logged, int(e.detail["death"]))
         elif ep is not None and e.kind == "recover_start":
             ep.start_recovery()
         elif ep is not None and e.kind == "recover_end":
             ep.stage = Stage.ENDED
         elif e.kind == "quarantine":
-            c.quarantine = set(e.detail.get("quarantine", c.quarantine))
-        elif e.kind == "checkpoint_end" and not any(x["step"] == e.detail.get("ckpt_step") for x in c.checkpoints):
-            c.checkpoints.append({"step": e.detail.get("ckpt_step"), "path": e.detail.get("path"),
+            st.quarantine = set(e.detail.get("quarantine", st.quarantine))
+        elif e.kind == "checkpoint_end" and not any(x["step"] == e.detail.get("ckpt_step") for x in st.checkpoints):
+            st.checkpoints.append({"step": e.detail.get("ckpt_step"), "path": e.detail.get("path"),
                                   "stall_s": e.detail.get("stall_s"), "write_s": e.detail.get("write_s"),
                                   "node": e.detail.get("node")})
         elif e.kind == "reslot":
-            c.slot_map = {m: list(s) for m, s in e.detail["slot_map"].items()}
+            st.slot_map = {m: list(s) for m, s in e.detail["slot_map"].items()}

@@ -1,19 +1,39 @@
-"""The worker's part of the emulated cluster (a mixin of runtime.worker.Worker): the warm-up
-before joining, the reduction's layout and pairs, and the hierarchical all-reduce priced by the
-link emulator (runtime/emulation/hier.py, netem.py, node.py say how)."""
+"""The worker's part of the emulated cluster: the warm-up before joining, and the hierarchical
+all-reduce priced by the link emulator (runtime/emulation/hier.py, netem.py, node.py say how),
+over the reduction's pairs connected with the group. `EmulatedComms` owns what it needs of
+the generation (its rank, its ring by region) and of the step (its rounds so far)."""
 from __future__ import annotations
 
 import torch
 
 
-class EmulatedNodeMixin:
-    def _warm_up(self) -> None:
-        """Emulated: one forward and backward pass before joining, so the first step's compute
-        is not the job's lazy set-up (a cost of the test bed, not of the cluster). The
-        RNG and the gradients are left as they were."""
-        with torch.random.fork_rng(devices=[]):
-            self.job.slot_vector(0, 0)  # the job's own slot (runtime/job_run.py)
-        self.model.zero_grad(set_to_none=True)
+def warm_up(job) -> None:
+    """Emulated: one forward and backward pass before joining, so the first step's compute
+    is not the job's lazy set-up (a cost of the test bed, not of the cluster). The
+    RNG and the gradients are left as they were."""
+    with torch.random.fork_rng(devices=[]):
+        job.slot_vector(0, 0)  # the job's own slot (runtime/job_run.py)
+    job.model.zero_grad(set_to_none=True)
+
+
+class EmulatedComms:
+    def __init__(self, scenario, emu, waiter):
+        self.scenario = scenario
+        self.emu = emu            # the emulated node (runtime/emulation/node.py)
+        self.waiter = waiter
+        self.reducer = None       # the worker's SlotReducer, whose collective this is
+        self.gen = self.rank = -1
+        self.members: list[str] = []
+        self.step = 0             # the step being computed (0-based)
+        self.round = 0            # collectives of this step so far
+        self._ring: tuple[tuple[int, ...], ...] | None = None
+
+    def generation(self, gen: int, rank: int, members: list[str]) -> None:
+        self.gen, self.rank, self.members = gen, rank, members
+        self._ring = None
+
+    def begin_step(self, step: int) -> None:
+        self.step, self.round = step, 0
 
     def _ring_ranks(self) -> tuple[tuple[int, ...], ...]:
         """This generation's ranks grouped by region, in ring order (keel.hardware.ring_members)."""
@@ -23,8 +43,8 @@ class EmulatedNodeMixin:
             self._ring = tuple(tuple(index[n] for n in grp) for grp in hardware.ring_members(self.scenario, self.members))
         return self._ring
 
-    def _connect(self, pg, rank: int, should_abort) -> None:
-        """Emulated: gloo connects a pair lazily, on its first message; the reduction's pairs are
+    def connect(self, pg, should_abort) -> None:
+        """gloo connects a pair lazily, on its first message; the reduction's pairs are
         connected here, with the group (real formation work), instead of inside the first step."""
         from runtime.emulation import hier
         r = self.reducer
@@ -33,10 +53,10 @@ class EmulatedNodeMixin:
             vectors.append((r.layout.segments + 1, torch.float32))  # the int64 format's fallback maxima
         for k, (length, dtype) in enumerate(vectors):
             plan = hier.plan_for(self._ring_ranks(), length, dtype == torch.uint8)
-            hier.run_plan(pg, rank, plan, torch.zeros(length, dtype=dtype),
+            hier.run_plan(pg, self.rank, plan, torch.zeros(length, dtype=dtype),
                           "sum", 0.0, lambda step, msg, t: 0.0, should_abort, self.waiter, tag_base=(8 + k) * 4096)
 
-    def _emulated_collective(self, pg, t: torch.Tensor, op: str, should_abort) -> torch.Tensor:
+    def collective(self, pg, t: torch.Tensor, op: str, should_abort) -> torch.Tensor:
         """One all-reduce of the emulated cluster: the hierarchical plan over this generation's
         regions (keel.hardware.ring_members; the block formats' exponents in one exchange across
         regions, keel.wire.scenario_rounds), every message priced by the link emulator at the
@@ -45,11 +65,11 @@ class EmulatedNodeMixin:
         emu = self.emu
         pricer = emu.pricer
         pricer.bytes_per_element = t.element_size() * wire_scale(self.scenario, self.reducer, op, t.numel())
-        pricer.key = f"g{self.gen}/s{self.committed}/r{self._round}"
+        pricer.key = f"g{self.gen}/s{self.step}/r{self.round}"
         plan = hier.plan_for(self._ring_ranks(), t.numel(), t.dtype == torch.uint8)  # exponents: keel.wire
         emu.c = hier.run_plan(pg, self.rank, plan, t, op, emu.c, pricer,
-                              should_abort, self.waiter, tag_base=(self._round % 8) * 4096)
-        self._round += 1
+                              should_abort, self.waiter, tag_base=(self.round % 8) * 4096)
+        self.round += 1
         return t
 
 

@@ -35,12 +35,12 @@ def kill_nodes(coord: Any, p: Any, planned: int, targets: list[str]) -> bool:
     itself (a cut-off one wakes `heal_s` later: runtime/worker_process.freeze_self)."""
     if not targets:
         return False
-    ep = coord._new_episode(p.cls, p.target, nodes=targets, mode=p.mode, planned=planned)
+    ep = coord.new_episode(p.cls, p.target, nodes=targets, mode=p.mode, planned=planned)
     ep.nodes = targets
     sig = signal.SIGSTOP if p.mode in FREEZING_MODES else signal.SIGKILL
     for n in targets:  # one loop: the same moment
-        coord.book.killed[n] = ep.fault_id
-        w = coord.workers[n]
+        coord.state.book.killed[n] = ep.fault_id
+        w = coord.state.workers[n]
         # emulated: the machine crashed, so only the policy's heartbeat timeout can find it
         w.machine_down = coord.emulated and p.mode == "kill"
         if w.proc is not None:

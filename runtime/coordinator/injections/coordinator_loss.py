@@ -11,9 +11,8 @@ from runtime.coordinator import snapshot
 
 
 def fire(coord: Any, p: Any, planned: int) -> NoReturn:
-    coord._new_episode(p.cls, p.target, mode="kill", pid=os.getpid(), planned=planned)
+    coord.new_episode(p.cls, p.target, mode="kill", pid=os.getpid(), planned=planned)
     snapshot.save(coord)
-    coord.link.sock.setblocking(True)
-    coord.link.send({"type": "dying", "why": f"the scheduled {p.cls} at step {p.at_step}"})
+    coord.sup.send({"type": "dying", "why": f"the scheduled {p.cls} at step {p.at_step}"})
     os.kill(os.getpid(), signal.SIGKILL)
     raise AssertionError("unreachable: SIGKILL")

@@ -10,7 +10,7 @@ from keel import recovery as R
 
 
 def fire(coord: Any, p: Any, planned: int) -> bool:
-    if R.shard_skipped(coord.policy.quarantine, {f"shard/{s}" for s in coord.quarantine}, p.target):
+    if R.shard_skipped(coord.policy.quarantine, {f"shard/{s}" for s in coord.state.quarantine}, p.target):
         return False
-    coord._new_episode(p.cls, p.target, shard=p.params["shard"], from_step=p.at_step + 1, planned=planned)
+    coord.new_episode(p.cls, p.target, shard=p.params["shard"], from_step=p.at_step + 1, planned=planned)
     return False

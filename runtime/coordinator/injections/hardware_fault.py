@@ -8,4 +8,4 @@ from runtime.coordinator.injections import kill_nodes
 
 
 def fire(coord: Any, p: Any, planned: int) -> bool:
-    return kill_nodes(coord, p, planned, [p.target] if coord._live(p.target) else [])
+    return kill_nodes(coord, p, planned, [p.target] if coord.live(p.target) else [])

@@ -9,11 +9,11 @@ from keel.scenario import is_node
 
 
 def fire(coord: Any, p: Any, planned: int) -> bool:
-    targets = [n for n in coord.nodes if (n == p.target or coord.region_of[n] == p.target) and coord._live(n)]
-    ep = coord._new_episode(p.cls, p.target, nodes=targets, planned=planned, **p.params)
+    targets = [n for n in coord.nodes if (n == p.target or coord.region_of[n] == p.target) and coord.live(n)]
+    ep = coord.new_episode(p.cls, p.target, nodes=targets, planned=planned, **p.params)
     ep.nodes = targets
     ep.until = ep.t + float(p.params["duration_s"])
     scope = "node" if is_node(p.target) else "region"
     for n in targets:
-        coord.workers[n].chan.send({"type": "jitter", "index": p.index, "scope": scope, **p.params})
+        coord.state.workers[n].chan.send({"type": "jitter", "index": p.index, "scope": scope, **p.params})
     return False

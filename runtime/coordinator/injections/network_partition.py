@@ -14,5 +14,5 @@ from runtime.coordinator.injections import kill_nodes
 
 
 def fire(coord: Any, p: Any, planned: int) -> bool:
-    targets = [n for n in coord.nodes if (n == p.target or coord.region_of[n] == p.target) and coord._live(n)]
+    targets = [n for n in coord.nodes if (n == p.target or coord.region_of[n] == p.target) and coord.live(n)]
     return kill_nodes(coord, p, planned, targets)

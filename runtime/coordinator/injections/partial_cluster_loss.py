@@ -10,5 +10,5 @@ from runtime.coordinator.injections import kill_nodes
 
 
 def fire(coord: Any, p: Any, planned: int) -> bool:
-    live = [n for n in coord.nodes if coord.region_of[n] == p.target and coord._live(n)]
+    live = [n for n in coord.nodes if coord.region_of[n] == p.target and coord.live(n)]
     return kill_nodes(coord, p, planned, R.rack_victims(live, p.params["nodes"]))
