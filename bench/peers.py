@@ -97,6 +97,7 @@ WARMUP_STEPS = 5  # a run's step time leaves out its first steps (DDP rebuilds i
 @dataclasses.dataclass
 class Config:
     scenario: str = str(SCENARIO)  # keel's scenario; its job is every tool's (bench/peers_train.py)
+    keel_sets: tuple[str, ...] = ()  # further overrides of keel's scenario, keel's runs only (reduction.format=int64)
     steps: int = 30
     kill_at: int = 15
     checkpoint_every: int = 10
@@ -326,7 +327,7 @@ def run_keel(cfg: Config, out: Path, *, policy: str, fault: bool) -> Run:
     from runtime.api import run_scenario
     from runtime.job_run import BoundJob, load_spec
 
-    sc = load(cfg.scenario, [f"policy.kind={policy}", *cfg.overrides()])
+    sc = load(cfg.scenario, [f"policy.kind={policy}", *cfg.overrides(), *cfg.keel_sets])
     summary = run_scenario(sc, out, progress=False, no_faults=not fault, hangs="")
     events = read_events(out / "events.jsonl")
     sampler = BoundJob(load_spec(sc), sc).loader.sampler  # the job's data under keel's sampler, as the workers drew it
@@ -475,7 +476,7 @@ def launch(tool: str, cfg: Config, out: Path) -> Job:
                  for r in range(cfg.workers)]
         return Job(roots, peer_commits, closing=lighthouse.shutdown)
     cmd = [sys.executable, "-m", "keel.cli", "run", cfg.scenario, "--out", str(out / "run"), "--no-faults",
-           *sum((["--set", x] for x in ["policy.kind=absorb", "policy.detect_timeout_s=30", *sets]), [])]
+           *sum((["--set", x] for x in ["policy.kind=absorb", "policy.detect_timeout_s=30", *sets, *cfg.keel_sets]), [])]
     return Job([spawn(cmd, out / "keel.log")], lambda: count_lines(out / "run" / "events.jsonl", b'"kind":"step"'))
 
 
@@ -709,15 +710,17 @@ def print_resume_trace(res: dict) -> None:
 
 
 def job_of(cfg: Config) -> dict:
-    """The job every tool trains: keel's scenario, its job's entry and parameter count."""
+    """The job every tool trains: keel's scenario, its job's entry and parameter count, and
+    the format keel's runs reduce in (with `--keel-set`)."""
     from keel.scenario import load
     from runtime.job_run import load_spec
-    sc = load(cfg.scenario)
+    from runtime.reduction import reduction_format
+    sc = load(cfg.scenario, list(cfg.keel_sets))
     spec = load_spec(sc)
     params = sum(p.numel() for p in spec.job.model(sc.run.seed, spec.config).parameters())
     where = Path(cfg.scenario).resolve()
     return {"scenario": str(where.relative_to(ROOT) if where.is_relative_to(ROOT) else where),
-            "entry": spec.name, "params": params}
+            "entry": spec.name, "params": params, "keel_reduction": reduction_format(sc), "keel_sets": list(cfg.keel_sets)}
 
 
 def machine() -> str:
@@ -733,7 +736,8 @@ def print_table(result: dict, cfg: Config, repeats: int) -> None:
     faults = (f"{cfg.steps} steps, worker 1 SIGKILLed at step {cfg.kill_at}, a checkpoint every {cfg.checkpoint_every} "
               f"steps; faults: median [min-max] of {repeats}; " if repeats else "fault-free step time only; ")
     print(f"peers side by side: 4 workers, the job of {job['scenario']} ({job['entry']}, {job['params']:,} parameters) "
-          f"and keel's sampler, {faults}step / DDP: geometric mean [95 % interval] of {t['cycles']} cycles, "
+          f"and keel's sampler, keel reducing in {job['keel_reduction']}, {faults}step / DDP: geometric mean [95 % "
+          f"interval] of {t['cycles']} cycles, "
           f"{t['window_s']:g} s windows taking turns with DDP")
     print(f"{result['machine']}; {result['date']}")
     for name, sess in result["sessions"].items():
@@ -776,6 +780,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--keel-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of keel's scenario in keel's runs only (e.g. reduction.format=int64)")
     p.add_argument("--tiny", action="store_true", help=f"a tiny configuration for tests ({TINY.steps} steps)")
     p.add_argument("--torchft-timeout", type=float, default=None, help="torchft's process-group timeout (s)")
     p.add_argument("--no-ddp", action="store_true", help="leave out the plain DDP baseline (no step ratios)")
@@ -789,7 +795,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dataclasses.replace(TINY if args.tiny else Config(), **{k: v for k, v in (
         ("steps", args.steps), ("kill_at", args.kill_at), ("checkpoint_every", args.checkpoint_every),
         ("torchft_timeout_s", args.torchft_timeout),
-        ("scenario", args.scenario and str(Path(args.scenario).resolve()))) if v is not None})
+        ("scenario", args.scenario and str(Path(args.scenario).resolve())),
+        ("keel_sets", tuple(args.keel_set) or None)) if v is not None})
     if args.repeats < 0 or args.cycles < 2 or not 0.2 <= args.window <= 5.0 or (args.repeats == 0 and args.no_ddp):
         print(f"peers.py: --repeats {args.repeats}, --cycles {args.cycles}, --window {args.window}: expected at "
               "least 0 (0: step time only, which needs DDP), at least 2, and 0.2-5 s", file=sys.stderr)

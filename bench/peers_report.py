@@ -174,9 +174,10 @@ def write_sessions(w, peers: dict) -> None:
               + ("." if i == len(ranking) - 1 else ";"))
 
 
-def write_job_step_time(w, peers: dict, cmd: str) -> None:
+def write_job_step_time(w, peers: dict, cmd: str, int64: tuple[dict, str] | None = None) -> None:
     """keel's fault-free step against plain DDP on another job than keel's GPT (bench/peers.py
-    --scenario, --repeats 0): the cost of a fixed global batch and an exact reduction there."""
+    --scenario, --repeats 0): the cost of a fixed global batch and an exact reduction there;
+    `int64`: the same with keel reducing in int64 instead of the default block32."""
     job, timing = peers["job"], peers["timing"]
     w("## The transformers example: keel's fault-free step against plain DDP\n")
     w(f"Command: `{cmd}` ({peers['date']}; {peers['machine']}). The job of `{job['scenario']}`: "
@@ -184,17 +185,23 @@ def write_job_step_time(w, peers: dict, cmd: str) -> None:
       "a LambdaLR warm-up, its token file), built through keel's job API by every tool (bench/peers_train.py: "
       "the same model builder, optimizer, scheduler, loss and keel's sampler, one slot of 4 samples per worker), "
       f"4 workers on gloo, no fault. Each tool takes turns with plain DDP as above: {timing['cycles']} cycles of "
-      f"{timing['window_s']:g} s turns; keel with its checkpoints (sync, every 10 steps), torchrun with its own, "
-      "torchft with its quorum every step.\n")
+      f"{timing['window_s']:g} s turns; keel (reducing in {job['keel_reduction']}) with its checkpoints (sync, every "
+      "10 steps), torchrun with its own, torchft with its quorum every step.\n")
     write_sessions(w, peers)
     keel = peers["sessions"].get("keel")
     if keel is not None:
         w(f"\nWhat keel's guarantees cost on this job: its fault-free step is {keel['ratio']:.3f}x "
-          f"[{rng(keel['ci95'], '{:.3f}')}] plain DDP's (docs/job-api.md quotes it).\n")
+          f"[{rng(keel['ci95'], '{:.3f}')}] plain DDP's (docs/job-api.md quotes it).")
+    if int64 is not None and "keel" in int64[0]["sessions"]:
+        k, (res, c) = int64[0]["sessions"]["keel"], int64
+        w(f" Reducing in int64 instead (`{c}`, {res['date']}): {k['ratio']:.3f}x [{rng(k['ci95'], '{:.3f}')}]; "
+          "block32 sends half int64's bytes, which a real cluster's links feel and these loopback ones do not, and "
+          "spends more CPU per step encoding (docs/reduction.md).")
+    w("")
     for t, why in peers["skipped"].items():
-        w(f"\n**Skipped {t}**: {why}\n")
+        w(f"**Skipped {t}**: {why}\n")
     for f in peers.get("failures", []):
-        w(f"- failed run {f['run']} (try {f['try']}): {f['error']}")
+        w(f"- failed run {f['run']} (try {f['try']}, retried): {f['error']}")
 
 
 def write_step_cpu(w, cpu: dict, cmd: str) -> None:
@@ -345,7 +352,7 @@ def write_report(res: dict) -> None:
         write_resume(w, *res["resume"])
 
     if "job_step" in res:
-        write_job_step_time(w, *res["job_step"])
+        write_job_step_time(w, *res["job_step"], int64=res.get("job_step_int64"))
     w("## Checkpoints: keel against torch.distributed.checkpoint and the disk\n")
     w(f"Command: `{ccmd}`. keel's GPT at d_model {ck['d_model']}, {ck['layers']} layers ({ck['params'] / 1e6:.1f} M "
       "parameters) after one AdamW step, saved with each method in turn (rotated each repetition), to this "
@@ -453,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
         res["resume"] = run_json(["bench/peers.py", "--resume-trace", "--work", "runs/bench/resume"])[:2]
         res["job_step"] = run_json(["bench/peers.py", "--scenario", "bench/peers-4-llama.toml", "--repeats", "0",
                                     "--work", "runs/bench/peers-llama"])[:2]
+        res["job_step_int64"] = run_json(["bench/peers.py", "--scenario", "bench/peers-4-llama.toml", "--repeats", "0",
+                                          "--tools", "keel_absorb", "--keel-set", "reduction.format=int64",
+                                          "--work", "runs/bench/peers-llama-int64"])[:2]
         res["ckpt"] = run_json(["bench/ckpt_compare.py", "--repeats", str(args.repeats)])[:2]
         res["twin"] = run_json(["bench/twin_naive.py", "--seeds", "5"])[:2]
         res["data"] = run_json(["bench/data_speed.py"])[:2]
