@@ -1,6 +1,8 @@
-"""keel against the tools people know, side by side in one invocation: the same model (keel's),
-the same data (keel's loader, one slot per worker), 4 workers, the same seed and the same fault
-(worker 1 SIGKILLed once `--kill-at` steps are committed):
+"""keel against the tools people know, side by side in one invocation: the same job (the one
+`--scenario` names through keel's job API: keel's GPT for bench/peers-4.toml, the default; the
+transformers example for bench/peers-4-llama.toml), the same data (keel's sampler, one slot per
+worker), 4 workers, the same seed and the same fault (worker 1 SIGKILLed once `--kill-at` steps
+are committed):
 
 - `torchrun`: torch.distributed.run `--max-restarts 1`, DDP on gloo, a checkpoint every
   `--checkpoint-every` steps (torch.save, fsynced, renamed), resume on restart;
@@ -8,7 +10,7 @@ the same data (keel's loader, one slot per worker), 4 workers, the same seed and
   group per worker, each under its own torchrun `--max-restarts 1` as torchft deploys them
   (skipped, with the reason, where torchft is not installed: `pip install -e '.[peers]'`);
 - `keel_absorb` and `keel_restart`: keel's runtime (runtime.api.run_scenario) on
-  bench/peers-4.toml, policy `absorb` (no hot spare: the 3 survivors take the slot) and
+  the scenario, policy `absorb` (no hot spare: the 3 survivors take the slot) and
   `checkpoint_restart`.
 
 Plain DDP (the same script as torchrun, no checkpoints, no fault) is the step-time baseline.
@@ -29,6 +31,7 @@ the data every step trained on equal the same round's fault-free run's. A run th
 hangs (120 s) is recorded under "failures" and retried once.
 
     .venv/bin/python bench/peers.py [--repeats 3] [--cycles 16] [--window 1] [--tools torchrun,torchft,keel_absorb,keel_restart] [--json]
+    .venv/bin/python bench/peers.py --scenario bench/peers-4-llama.toml --repeats 0   # step time only, the transformers example
     .venv/bin/python bench/peers.py --resume-trace   # torchrun's resume against its fault-free run, step by step
 
 `--json` prints one object: {"tools": {NAME: {"downtime_s", "downtime_s_range", "step_ratio_to_ddp",
@@ -93,6 +96,8 @@ WARMUP_STEPS = 5  # a run's step time leaves out its first steps (DDP rebuilds i
 
 @dataclasses.dataclass
 class Config:
+    scenario: str = str(SCENARIO)  # keel's scenario; its job is every tool's (bench/peers_train.py)
+    keel_sets: tuple[str, ...] = ()  # further overrides of keel's scenario, keel's runs only (reduction.format=int64)
     steps: int = 30
     kill_at: int = 15
     checkpoint_every: int = 10
@@ -262,7 +267,8 @@ def spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Pope
 def run_torchrun(cfg: Config, out: Path, *, fault: bool, checkpoints: bool = True, weights_only: bool = False,
                  train_args: tuple[str, ...] = ()) -> Run:
     out.mkdir(parents=True)
-    extra = ["--mode", "torchrun", "--out", str(out), "--checkpoint-every", str(cfg.checkpoint_every if checkpoints else 0),
+    extra = ["--mode", "torchrun", "--out", str(out), "--scenario", cfg.scenario,
+             "--checkpoint-every", str(cfg.checkpoint_every if checkpoints else 0),
              *sum((["--set", s] for s in cfg.overrides()), []), *train_args]
     if fault:
         extra += ["--kill-at", str(cfg.kill_at)]
@@ -284,7 +290,8 @@ def run_torchft(cfg: Config, out: Path, *, fault: bool) -> Run:
         procs = []
         t0 = time.monotonic()
         for r in range(cfg.workers):
-            extra = ["--mode", "torchft", "--out", str(out), "--replica", str(r), "--replicas", str(cfg.workers),
+            extra = ["--mode", "torchft", "--out", str(out), "--scenario", cfg.scenario, "--replica", str(r),
+                     "--replicas", str(cfg.workers),
                      "--torchft-timeout", str(cfg.torchft_timeout_s), *sum((["--set", s] for s in cfg.overrides()), [])]
             if fault:
                 extra += ["--kill-at", str(cfg.kill_at)]
@@ -318,12 +325,12 @@ def run_keel(cfg: Config, out: Path, *, policy: str, fault: bool) -> Run:
     from keel.events import read_events
     from keel.scenario import load
     from runtime.api import run_scenario
-    from runtime.data import Loader, ensure_dataset
+    from runtime.job_run import BoundJob, load_spec
 
-    sc = load(SCENARIO, [f"policy.kind={policy}", *cfg.overrides()])
+    sc = load(cfg.scenario, [f"policy.kind={policy}", *cfg.overrides(), *cfg.keel_sets])
     summary = run_scenario(sc, out, progress=False, no_faults=not fault, hangs="")
     events = read_events(out / "events.jsonl")
-    loader = Loader(ensure_dataset(shards=sc.data.shards), sc.run.seed, sc.model.context, sc.workload.micro_batch)
+    sampler = BoundJob(load_spec(sc), sc).loader.sampler  # the job's data under keel's sampler, as the workers drew it
     quarantine = frozenset(summary.get("quarantine") or ())
     slots = set(range(sc.slot_count))  # the first generation holds every slot
     commits, kill_t, kill_step = [], None, None
@@ -334,7 +341,7 @@ def run_keel(cfg: Config, out: Path, *, policy: str, fault: bool) -> Run:
             slots = {s for held in e.detail["slot_map"].values() for s in held}
         elif e.kind == "step":  # one record per slot the committed step reduced
             for s in sorted(slots):
-                commits.append((e.t, e.step, s, tuple(loader.sample_indices(e.step - 1, s, quarantine)), True))
+                commits.append((e.t, e.step, s, tuple(sampler.indices(e.step - 1, s, quarantine)), True))
     pids = {i: list(p) for i, p in enumerate(summary["pids"].values())}
     # the coordinator commits a step once every member reported it: every step event after the
     # fault is one committed after it (restart_t = kill_t)
@@ -454,7 +461,7 @@ def launch(tool: str, cfg: Config, out: Path) -> Job:
     sets = [f"run.steps={LONG_RUN}", f"checkpoint.interval_steps={cfg.checkpoint_every}"]
     peer_commits = lambda: count_lines(out / "log-0.jsonl", b'"kind": "commit"')  # noqa: E731
     if tool == "ddp" or tool.startswith("torchrun"):
-        extra = ["--mode", "torchrun", "--out", str(out), "--checkpoint-every",
+        extra = ["--mode", "torchrun", "--out", str(out), "--scenario", cfg.scenario, "--checkpoint-every",
                  "0" if tool == "ddp" else str(cfg.checkpoint_every), *sum((["--set", x] for x in sets), [])]
         return Job([spawn(torchrun_cmd(cfg.workers, extra), out / "torchrun.log")], peer_commits)
     if tool == "torchft":
@@ -462,13 +469,14 @@ def launch(tool: str, cfg: Config, out: Path) -> Job:
         lighthouse = LighthouseServer(bind="[::]:0", min_replicas=cfg.workers - 1,
                                       heartbeat_timeout_ms=cfg.lighthouse_heartbeat_ms)
         env = {"TORCHFT_LIGHTHOUSE": lighthouse.address()}
-        roots = [spawn(torchrun_cmd(1, ["--mode", "torchft", "--out", str(out), "--replica", str(r), "--replicas",
+        roots = [spawn(torchrun_cmd(1, ["--mode", "torchft", "--out", str(out), "--scenario", cfg.scenario,
+                                        "--replica", str(r), "--replicas",
                                         str(cfg.workers), "--torchft-timeout", str(cfg.torchft_timeout_s),
                                         *sum((["--set", x] for x in sets), [])]), out / f"replica-{r}.log", env)
                  for r in range(cfg.workers)]
         return Job(roots, peer_commits, closing=lighthouse.shutdown)
-    cmd = [sys.executable, "-m", "keel.cli", "run", str(SCENARIO), "--out", str(out / "run"), "--no-faults",
-           *sum((["--set", x] for x in ["policy.kind=absorb", "policy.detect_timeout_s=30", *sets]), [])]
+    cmd = [sys.executable, "-m", "keel.cli", "run", cfg.scenario, "--out", str(out / "run"), "--no-faults",
+           *sum((["--set", x] for x in ["policy.kind=absorb", "policy.detect_timeout_s=30", *sets, *cfg.keel_sets]), [])]
     return Job([spawn(cmd, out / "keel.log")], lambda: count_lines(out / "run" / "events.jsonl", b'"kind":"step"'))
 
 
@@ -701,6 +709,20 @@ def print_resume_trace(res: dict) -> None:
               f"steps; final weights equal: {r['final_weights_equal']}")
 
 
+def job_of(cfg: Config) -> dict:
+    """The job every tool trains: keel's scenario, its job's entry and parameter count, and
+    the format keel's runs reduce in (with `--keel-set`)."""
+    from keel.scenario import load
+    from runtime.job_run import load_spec
+    from runtime.reduction import reduction_format
+    sc = load(cfg.scenario, list(cfg.keel_sets))
+    spec = load_spec(sc)
+    params = sum(p.numel() for p in spec.job.model(sc.run.seed, spec.config).parameters())
+    where = Path(cfg.scenario).resolve()
+    return {"scenario": str(where.relative_to(ROOT) if where.is_relative_to(ROOT) else where),
+            "entry": spec.name, "params": params, "keel_reduction": reduction_format(sc), "keel_sets": list(cfg.keel_sets)}
+
+
 def machine() -> str:
     import torch
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -710,10 +732,13 @@ def machine() -> str:
 
 def print_table(result: dict, cfg: Config, repeats: int) -> None:
     t = result["timing"]
-    print(f"peers side by side: 4 workers, keel's model and data, {cfg.steps} steps, worker 1 SIGKILLed at step "
-          f"{cfg.kill_at}, a checkpoint every {cfg.checkpoint_every} steps; faults: median [min-max] of {repeats}; "
-          f"step / DDP: geometric mean [95 % interval] of {t['cycles']} cycles, {t['window_s']:g} s windows "
-          f"taking turns with DDP")
+    job = result["job"]
+    faults = (f"{cfg.steps} steps, worker 1 SIGKILLed at step {cfg.kill_at}, a checkpoint every {cfg.checkpoint_every} "
+              f"steps; faults: median [min-max] of {repeats}; " if repeats else "fault-free step time only; ")
+    print(f"peers side by side: 4 workers, the job of {job['scenario']} ({job['entry']}, {job['params']:,} parameters) "
+          f"and keel's sampler, keel reducing in {job['keel_reduction']}, {faults}step / DDP: geometric mean [95 % "
+          f"interval] of {t['cycles']} cycles, "
+          f"{t['window_s']:g} s windows taking turns with DDP")
     print(f"{result['machine']}; {result['date']}")
     for name, sess in result["sessions"].items():
         print(f"timing session {name}: DDP {sess['ddp_ms']:.1f} ms a step [{sess['ddp_ms_range'][0]:.1f}-"
@@ -747,11 +772,16 @@ def print_table(result: dict, cfg: Config, repeats: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="rounds of fault-free and faulted runs; 0: step time only")
+    p.add_argument("--scenario", default=None,
+                   help="keel's scenario, whose job every tool trains (default bench/peers-4.toml: keel's GPT; "
+                        "bench/peers-4-llama.toml: the transformers example)")
     p.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, among {', '.join(TOOLS + CHECK_TOOLS)}")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--keel-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of keel's scenario in keel's runs only (e.g. reduction.format=int64)")
     p.add_argument("--tiny", action="store_true", help=f"a tiny configuration for tests ({TINY.steps} steps)")
     p.add_argument("--torchft-timeout", type=float, default=None, help="torchft's process-group timeout (s)")
     p.add_argument("--no-ddp", action="store_true", help="leave out the plain DDP baseline (no step ratios)")
@@ -764,10 +794,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cfg = dataclasses.replace(TINY if args.tiny else Config(), **{k: v for k, v in (
         ("steps", args.steps), ("kill_at", args.kill_at), ("checkpoint_every", args.checkpoint_every),
-        ("torchft_timeout_s", args.torchft_timeout)) if v is not None})
-    if args.repeats < 1 or args.cycles < 2 or not 0.2 <= args.window <= 5.0:
+        ("torchft_timeout_s", args.torchft_timeout),
+        ("scenario", args.scenario and str(Path(args.scenario).resolve())),
+        ("keel_sets", tuple(args.keel_set) or None)) if v is not None})
+    if args.repeats < 0 or args.cycles < 2 or not 0.2 <= args.window <= 5.0 or (args.repeats == 0 and args.no_ddp):
         print(f"peers.py: --repeats {args.repeats}, --cycles {args.cycles}, --window {args.window}: expected at "
-              "least 1, at least 2, and 0.2-5 s", file=sys.stderr)
+              "least 0 (0: step time only, which needs DDP), at least 2, and 0.2-5 s", file=sys.stderr)
+        return 2
+    if not Path(cfg.scenario).is_file():
+        print(f"peers.py: --scenario {args.scenario}: no such file; expected a keel scenario (TOML)", file=sys.stderr)
         return 2
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]
     bad = [t for t in tools if t not in TOOLS + CHECK_TOOLS]
@@ -781,6 +816,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peers.py: skipping torchft: {why}", file=sys.stderr)
     started = datetime.datetime.now(datetime.timezone.utc)
     mach = machine()
+    job = job_of(cfg)
     with tempfile.TemporaryDirectory(prefix="keel-peers-") as tmp:
         work = Path(args.work) if args.work else Path(tmp)
         if args.work and work.exists():
@@ -790,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(res, sort_keys=True)) if args.json else print_resume_trace(res)
             return 0
         result = compare(tools, cfg, args.repeats, work, ddp=not args.no_ddp, cycles=args.cycles, window_s=args.window)
-    result = {**result, "machine": mach, "date": started.strftime("%Y-%m-%d %H:%M UTC"), "skipped": skipped,
+    result = {**result, "machine": mach, "date": started.strftime("%Y-%m-%d %H:%M UTC"), "skipped": skipped, "job": job,
               "command": "bench/peers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "config": dataclasses.asdict(cfg), "repeats": args.repeats,
               "wall_s": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()}

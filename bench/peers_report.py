@@ -7,8 +7,9 @@ Runs, one after the other on this machine: bench/peers.py (keel against torchrun
 torchft), bench/step_cpu.py (where a fault-free step's CPU goes, keel against DDP),
 bench/ckpt_compare.py (keel's checkpoints against torch.distributed.checkpoint and the disk),
 bench/peers.py --resume-trace (torchrun's resume against its fault-free run, step by
-step), bench/twin_naive.py (the twin against a naive SimPy model) and bench/data_speed.py
-(keel's loader against torch's DataLoader). The raw results go to runs/bench/results.json;
+step), bench/peers.py --scenario bench/peers-4-llama.toml --repeats 0 (every tool's step time
+against plain DDP on the transformers example), bench/twin_naive.py (the twin against a naive
+SimPy model) and bench/data_speed.py (keel's loader against torch's DataLoader). The raw results go to runs/bench/results.json;
 `--again FILE` rewrites the report from such a file without running anything.
 """
 from __future__ import annotations
@@ -142,6 +143,12 @@ def write_step_time(w, peers: dict) -> None:
       "the geometric mean of the DDP turns either side, measured within a second of it, so the machine's other "
       "load, which moved DDP's own step by a factor up to 2 between runs tens of seconds apart, moves both alike. "
       "The interval is Student t on the cycles' log ratios.\n")
+    write_sessions(w, peers)
+
+
+def write_sessions(w, peers: dict) -> None:
+    """The timing sessions' table, the check of DDP against itself, and the tools ranked."""
+    sessions = peers["sessions"]
     w("| session | DDP ms a step (its turns) | tool ms a step | ratio | 95 % interval | cycles min-max |")
     w("|---|---|---|---|---|---|")
     for name, x in sessions.items():
@@ -165,6 +172,36 @@ def write_step_time(w, peers: dict) -> None:
                        "not ranked: the interval holds 1")
             w(f"- {c['a']} / {c['b']}: {c['a_over_b']:.3f} [{rng(c['ci95'], '{:.3f}')}], {verdict}"
               + ("." if i == len(ranking) - 1 else ";"))
+
+
+def write_job_step_time(w, peers: dict, cmd: str, int64: tuple[dict, str] | None = None) -> None:
+    """keel's fault-free step against plain DDP on another job than keel's GPT (bench/peers.py
+    --scenario, --repeats 0): the cost of a fixed global batch and an exact reduction there;
+    `int64`: the same with keel reducing in int64 instead of the default block32."""
+    job, timing = peers["job"], peers["timing"]
+    w("## The transformers example: keel's fault-free step against plain DDP\n")
+    w(f"Command: `{cmd}` ({peers['date']}; {peers['machine']}). The job of `{job['scenario']}`: "
+      f"`{job['entry']}` ({job['params']:,} parameters; examples/tiny_llama's transformers LlamaForCausalLM, AdamW, "
+      "a LambdaLR warm-up, its token file), built through keel's job API by every tool (bench/peers_train.py: "
+      "the same model builder, optimizer, scheduler, loss and keel's sampler, one slot of 4 samples per worker), "
+      f"4 workers on gloo, no fault. Each tool takes turns with plain DDP as above: {timing['cycles']} cycles of "
+      f"{timing['window_s']:g} s turns; keel (reducing in {job['keel_reduction']}) with its checkpoints (sync, every "
+      "10 steps), torchrun with its own, torchft with its quorum every step.\n")
+    write_sessions(w, peers)
+    keel = peers["sessions"].get("keel")
+    if keel is not None:
+        w(f"\nWhat keel's guarantees cost on this job: its fault-free step is {keel['ratio']:.3f}x "
+          f"[{rng(keel['ci95'], '{:.3f}')}] plain DDP's (docs/job-api.md quotes it).")
+    if int64 is not None and "keel" in int64[0]["sessions"]:
+        k, (res, c) = int64[0]["sessions"]["keel"], int64
+        w(f" Reducing in int64 instead (`{c}`, {res['date']}): {k['ratio']:.3f}x [{rng(k['ci95'], '{:.3f}')}]; "
+          "block32 sends half int64's bytes, which a real cluster's links feel and these loopback ones do not, and "
+          "spends more CPU per step encoding (docs/reduction.md).")
+    w("")
+    for t, why in peers["skipped"].items():
+        w(f"**Skipped {t}**: {why}\n")
+    for f in peers.get("failures", []):
+        w(f"- failed run {f['run']} (try {f['try']}, retried): {f['error']}")
 
 
 def write_step_cpu(w, cpu: dict, cmd: str) -> None:
@@ -314,6 +351,8 @@ def write_report(res: dict) -> None:
     if "resume" in res:
         write_resume(w, *res["resume"])
 
+    if "job_step" in res:
+        write_job_step_time(w, *res["job_step"], int64=res.get("job_step_int64"))
     w("## Checkpoints: keel against torch.distributed.checkpoint and the disk\n")
     w(f"Command: `{ccmd}`. keel's GPT at d_model {ck['d_model']}, {ck['layers']} layers ({ck['params'] / 1e6:.1f} M "
       "parameters) after one AdamW step, saved with each method in turn (rotated each repetition), to this "
@@ -419,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
         res["peers"] = run_json(["bench/peers.py", "--repeats", str(args.repeats), "--work", "runs/bench/peers"])[:2]
         res["cpu"] = run_json(["bench/step_cpu.py", "--rounds", str(args.repeats)])[:2]
         res["resume"] = run_json(["bench/peers.py", "--resume-trace", "--work", "runs/bench/resume"])[:2]
+        res["job_step"] = run_json(["bench/peers.py", "--scenario", "bench/peers-4-llama.toml", "--repeats", "0",
+                                    "--work", "runs/bench/peers-llama"])[:2]
+        res["job_step_int64"] = run_json(["bench/peers.py", "--scenario", "bench/peers-4-llama.toml", "--repeats", "0",
+                                          "--tools", "keel_absorb", "--keel-set", "reduction.format=int64",
+                                          "--work", "runs/bench/peers-llama-int64"])[:2]
         res["ckpt"] = run_json(["bench/ckpt_compare.py", "--repeats", str(args.repeats)])[:2]
         res["twin"] = run_json(["bench/twin_naive.py", "--seeds", "5"])[:2]
         res["data"] = run_json(["bench/data_speed.py"])[:2]

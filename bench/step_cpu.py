@@ -8,7 +8,7 @@ supervisor, coordinator, workers; DDP: torchrun's agent, workers) and wall milli
 step. On a machine with fewer cores than workers the step is CPU-bound, so a job's wall time
 per step follows its total CPU per step over the cores.
 
-    .venv/bin/python bench/step_cpu.py [--rounds 3] [--steps 400] [--checkpoint-every 0] [--json]
+    .venv/bin/python bench/step_cpu.py [--rounds 3] [--steps 400] [--checkpoint-every 0] [--scenario S] [--json]
 
 `--checkpoint-every N` gives keel a checkpoint every N steps (its own format, bench/peers-4.toml's
 sync mode); 0 (the default) none, as the DDP baseline has none.
@@ -97,9 +97,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--scenario", default=peers.Config.scenario,
+                   help="keel's scenario, whose job both train (bench/peers-4-llama.toml: the transformers example)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    cfg = peers.Config(checkpoint_every=a.checkpoint_every or peers.LONG_RUN)
+    cfg = peers.Config(checkpoint_every=a.checkpoint_every or peers.LONG_RUN, scenario=str(Path(a.scenario).resolve()))
     runs: dict[str, list[dict]] = {"ddp": [], "keel": []}
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
@@ -117,7 +119,7 @@ def main() -> None:
         t["cpu_per_worker_ms"] = t["cpu_ms"].get("workers", 0.0) / max(1, t["workers"])
     ratios = {k: med["keel"][k] / med["ddp"][k] for k in ("wall_ms", "cpu_total_ms", "cpu_per_worker_ms")}
     out = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "cores": os.cpu_count(), "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup,
+           "cores": os.cpu_count(), "scenario": a.scenario, "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup,
            "checkpoint_every": a.checkpoint_every, "median": med, "keel_over_ddp": ratios, "runs": runs}
     if a.json:
         print(json.dumps(out))

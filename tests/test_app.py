@@ -105,6 +105,24 @@ def test_runs_page_names_a_runtime_runs_job_and_shows_its_loss(monkeypatch, tmp_
     assert len(loss) == 1 and loss[0]["encoding"]["y"]["field"] == "loss"
 
 
+def test_simulate_shows_the_job_and_loss_of_any_runtime_run_it_opens(monkeypatch, tmp_path):
+    """Not only the newest run's (the Runs page): any runtime run opened on Simulate."""
+    from test_app_runs import FAULTS, _events, write_run
+    older = tmp_path / "runs" / "resnet"
+    summary = write_run(older, _events(0.02, [(*FAULTS[0], 0.1)], steps=6), "runtime")
+    summary.update(start_step=8, losses=[2.3, 2.2, 2.0, 1.9, 1.9, 1.8],
+                   job={"entry": "job.py:job", "config": {"widths": [8, 16]}, "params": 5_266})
+    (older / "summary.json").write_text(json.dumps(summary))
+    write_run(tmp_path / "runs" / "newer", _events(0.02, [], steps=4), "runtime")  # the newest: no job recorded
+    at = open_app(monkeypatch, tmp_path / "runs", "simulate")
+    at.radio(key="simulate_source").set_value("open a run directory").run()
+    at.text_input(key="simulate_dir:typed").input(str(older)).run()
+    no_exception(at)
+    assert "resnet: job job.py:job (widths=[8, 16]), 5,266 parameters" in [c.value for c in at.caption]
+    loss = [c for c in charts(at) if title_text(c) == "training loss: resnet"]
+    assert len(loss) == 1 and loss[0]["encoding"]["y"]["field"] == "loss"  # its values: test_app_charts
+
+
 # ----------------------------------------------------------------------------- Topology
 
 def test_topology_shows_the_cluster_and_edits_it(monkeypatch, runs_root):

@@ -1,7 +1,9 @@
-"""The examples of the job API (examples/, issue 26) under `keel run`, as a user runs them:
+"""The examples of the job API (examples/, issue 26) under `keel run`, as a user runs them
+(the `--no-faults` reference runs in this process, through the same runtime.api.run_scenario):
 faults absorbed with 0 restarts end bit-identical to the `--no-faults` run; a whole-job
 SIGKILL after a checkpoint, then `--resume`, ends bit-identical to the uninterrupted run (the
-transformers example: its LR scheduler travels in the checkpoint and to the hot spare)."""
+transformers example: its LR scheduler travels in the checkpoint and to the hot spare; the
+ResNet: SGD's momentum buffers)."""
 from __future__ import annotations
 
 import json
@@ -33,36 +35,64 @@ def assert_absorbed_bit_identical(faulty: dict, clean: dict, classes: list[str])
     assert clean["losses"][-1] < clean["losses"][0]  # it trains
 
 
+def assert_resumes_bit_identical(scenario, clean: dict, tmp_path) -> dict:
+    """`keel run` SIGKILLed whole once checkpoint CKPT is written, then `--resume`: it goes on
+    from CKPT and ends as `clean` (the uninterrupted run) did, loss for loss and bit for bit.
+    The killed run's checkpoint's optimizer metadata, for what the job saved beside it."""
+    first, second = tmp_path / "killed", tmp_path / "resumed"
+    run_and_kill_after_checkpoint(keel("run", str(scenario), "--out", str(first)), first, CKPT, timeout=200)
+    assert not (first / "summary.json").exists()
+    resumed = keel_run(str(scenario), "--out", str(second), "--resume", str(first))
+    assert resumed["start_step"] == CKPT and resumed["restarts"] == 0
+    assert resumed["losses"] == clean["losses"][CKPT:]
+    assert resumed["final_weights_sha256"] == clean["final_weights_sha256"]
+    return json.loads((first / "checkpoints" / f"step-{CKPT:08d}" / "optimizer_state.json").read_text())
+
+
+def reference_run(scenario, out) -> dict:
+    """The uninterrupted `--no-faults` run the others are compared with: what `keel run
+    --no-faults` runs, in this process (runtime.api.run_scenario; no interpreter to start, and
+    the fork server stays warm), so that only the runs under test pay a `keel run` each."""
+    from keel.scenario import load
+    from runtime.api import run_scenario
+    return run_scenario(load(scenario), out, no_faults=True, progress=False)
+
+
 @pytest.fixture(scope="module")
 def llama_clean(tmp_path_factory):
     pytest.importorskip("transformers")
-    return keel_run(str(LLAMA), "--no-faults", "--out", str(tmp_path_factory.mktemp("llama") / "clean"))
+    return reference_run(LLAMA, tmp_path_factory.mktemp("llama") / "clean")
+
+
+@pytest.fixture(scope="module")
+def resnet_clean(tmp_path_factory):
+    return reference_run(RESNET, tmp_path_factory.mktemp("resnet") / "clean")
 
 
 def test_transformers_example_absorbs_faults_bit_identical(tmp_path, llama_clean):
     faulty = keel_run(str(LLAMA), "--out", str(tmp_path / "faulty"))
     assert_absorbed_bit_identical(faulty, llama_clean, ["hardware_fault", "network_jitter"])
+    # the summary names the job (the dashboard's Runs page shows it): entry, config, parameters
+    assert faulty["job"] == {"entry": "job.py:job", "config": llama_clean["job"]["config"], "params": 51_360}
+    assert faulty["job"]["config"]["hidden_size"] == 32
 
 
 def test_transformers_example_resumes_bit_identical_after_a_whole_job_kill(tmp_path, llama_clean):
-    first, second = tmp_path / "killed", tmp_path / "resumed"
-    run_and_kill_after_checkpoint(keel("run", str(LLAMA), "--out", str(first)), first, CKPT, timeout=200)
-    assert not (first / "summary.json").exists()
-    resumed = keel_run(str(LLAMA), "--out", str(second), "--resume", str(first))
-    assert resumed["start_step"] == CKPT and resumed["restarts"] == 0
-    assert resumed["losses"] == llama_clean["losses"][CKPT:]
-    assert resumed["final_weights_sha256"] == llama_clean["final_weights_sha256"]
-    meta = json.loads(next((first / "checkpoints").glob("step-*/optimizer_state.json")).read_text())
+    meta = assert_resumes_bit_identical(LLAMA, llama_clean, tmp_path)
     assert set(meta["extra"]) == {"scheduler"}  # the job's LambdaLR, saved with the optimizer
 
 
-def test_plain_pytorch_example_absorbs_faults_bit_identical(tmp_path):
-    clean = keel_run(str(RESNET), "--no-faults", "--out", str(tmp_path / "clean"))
+def test_plain_pytorch_example_absorbs_faults_bit_identical(tmp_path, resnet_clean):
     faulty = keel_run(str(RESNET), "--out", str(tmp_path / "faulty"))
-    assert_absorbed_bit_identical(faulty, clean, ["hardware_fault", "network_jitter"])
+    assert_absorbed_bit_identical(faulty, resnet_clean, ["hardware_fault", "network_jitter"])
 
 
-def test_profile_of_the_transformers_example(tmp_path):
+def test_plain_pytorch_example_resumes_bit_identical_after_a_whole_job_kill(tmp_path, resnet_clean):
+    meta = assert_resumes_bit_identical(RESNET, resnet_clean, tmp_path)
+    assert meta["kind"] == "SGD" and not meta.get("extra")  # SGD's momentum buffers alone: no scheduler, no state
+
+
+def test_profile_of_the_transformers_example(tmp_path, capsys):
     """`keel profile`: the parameter count is the model's own (transformers' count), the wire
     bytes are the reduction's buffers (one exponent byte per block of 32 of every tensor, the
     loss's and the non-finite flag; then int32 per element and the loss), and --write puts
@@ -78,9 +108,9 @@ def test_profile_of_the_transformers_example(tmp_path):
     spec = load_spec(sc)
     model = spec.job.model(0, spec.config)
     out = tmp_path / "profiled.toml"
+    capsys.readouterr()
     assert keel_main(["profile", str(LLAMA), "--steps", "2", "--write", str(out), "--json"]) == 0
-    from runtime.profile import profile
-    measured = profile(sc, steps=1)
+    measured = json.loads(capsys.readouterr().out)  # what it measured (--json: one object on stdout)
     assert measured["params"]["value"] == model.num_parameters() == 51_360
     blocks = sum(math.ceil(p.numel() / 32) for p in model.parameters())
     assert measured["wire_rounds"]["value"] == [["max", blocks + 2, blocks + 2], ["sum", 51_361, 4 * 51_361]]

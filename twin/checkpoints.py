@@ -1,6 +1,7 @@
 """Checkpoints: when one is due, the pause it costs the trainer (`sync`: the write; `async`:
 the snapshot) and the background write of an async one, which a node fault or a restart
-aborts. The next checkpoint waits for the previous write. The bytes are spread over the nodes
+aborts. The next checkpoint waits for the previous write, and the run ends once its last
+checkpoint (the last step's, where one is due) is written. The bytes are spread over the nodes
 holding slots (twin/cost.py `share_s`).
 """
 from __future__ import annotations
@@ -28,7 +29,19 @@ class Checkpoints:
     def due(self, committed: int) -> bool:
         c = committed
         return (c > 0 and c % self.config.interval_steps == 0
-                and c > self.attempted and c < self.run_steps)
+                and c > self.attempted and c <= self.run_steps)
+
+    def finish(self) -> Generator:
+        """At the run's end, as the runtime ends a run: the last step's checkpoint where one is
+        due, then the write still running (that one's or an earlier one's) until it is
+        durable. False where nothing is left to do."""
+        if self.due(self.sim.committed):
+            yield from self.take()
+            return True
+        if self.writer is not None and self.writer.is_alive:
+            yield from self.sim.wait(self.writer, "paused")
+            return True
+        return False
 
     def abort(self, reason: str) -> None:
         """Interrupt the background write, if one is running: that checkpoint is lost."""

@@ -56,10 +56,9 @@ Semantics (docs/design.md for step numbering and fault ids):
 - Failed nodes come back after repair_hours as spares; under absorb a rejoining spare takes
   slots from overloaded nodes (a `reslot` with no fault) when the cluster is below its
   healthy layout. Replaced nodes (checkpoint_restart) do not come back twice.
-- Checkpoints at every multiple of interval_steps below run.steps, bytes spread over the
-  training nodes: `sync` pauses for the write; `async` pauses for the snapshot and writes in the
-  background (`checkpoint_end` when the write is done; a node fault aborts it). The next
-  checkpoint waits for the previous write.
+- Checkpoints at every multiple of interval_steps up to run.steps, bytes over the training nodes:
+  `sync` pauses for the write, `async` for the snapshot, then writes in the background (a node
+  fault aborts it); the next checkpoint and the run's end wait for that write (as the runtime's).
 - Drawn faults: each class is a Poisson process in wall time with its own seeded stream, so
   two policies with one seed see the same arrival times. Hardware faults strike a uniformly
   drawn node at rate nodes / mtbf (thinned: a down node is skipped); jitter a uniformly drawn
@@ -269,9 +268,10 @@ class Simulation(CoordinatorLossMixin):
             elif (due := st.due()):
                 yield from st.straggler(due[0])
             elif self.committed >= s.run.steps:
-                if not self.outages:
+                if self.outages:
+                    yield from self.wait(None, "stalled")  # the run is over once a coordinator says so
+                elif not (yield from self.checkpoints.finish()):  # its last checkpoint durable first
                     break
-                yield from self.wait(None, "stalled")  # the run is over once a coordinator says so
             elif self.rejoined:
                 yield from st.rebalance()
             elif self.checkpoints.due(self.committed):

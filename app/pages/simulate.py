@@ -20,7 +20,7 @@ source = st.radio("source", ["run the twin", "open a run directory"], horizontal
 
 def show(results: dict) -> None:
     """Results side by side: headline, goodput, downtime per fault, timelines on one time
-    axis, progress, and each run's per-fault table."""
+    axis, progress, a runtime run's job and loss curve, and each run's per-fault table."""
     labels = list(results)
     cols = st.columns(len(labels))
     for col, label in zip(cols, labels):
@@ -42,6 +42,11 @@ def show(results: dict) -> None:
             st.altair_chart(charts.downtime_chart(summaries), width="content")
     st.altair_chart(charts.aligned_timelines({k: (v["events"], v["summary"]) for k, v in results.items()}), width="content")
     st.altair_chart(charts.progress_chart({k: v["events"] for k, v in results.items()}), width="content")
+    for label in labels:
+        job = data.job_line(results[label]["summary"])
+        if job is not None:  # a runtime run: its job and its loss
+            st.caption(f"{label}: {job}")
+            st.altair_chart(charts.loss_chart(results[label]["summary"], title=f"training loss: {label}"), width="content")
     for label in labels:
         st.markdown(f"**faults: {label}**")
         st.dataframe(data.fault_table(results[label]["summary"]), hide_index=True)
