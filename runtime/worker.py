@@ -347,7 +347,10 @@ class Worker:
         them (identical on every worker, restored by a checkpoint, sent to a spare): 256 x the
         largest |first moment| there, and 2^20 for the loss (reduction.moment_bounds). None
         before the first update, or for an optimizer without first moments: the step then takes
-        the reduction's two rounds. Values beyond them only cost the step a second round."""
+        the reduction's two rounds. Values beyond them only cost the step a second round. None
+        for a block format, which agrees its exponents in its own first round and reads none."""
+        if self.reducer.block is not None:
+            return None
         moments = self.job.first_moments()
         return None if moments is None else self.reducer.bounds(moment_bounds(moments))
 

@@ -1,6 +1,7 @@
 """The examples of the job API (examples/, issue 26) under `keel run`, as a user runs them
 (the `--no-faults` reference runs in this process, through the same runtime.api.run_scenario):
-faults absorbed with 0 restarts end bit-identical to the `--no-faults` run; a whole-job
+faults absorbed with 0 restarts end bit-identical to the `--no-faults` run (the transformers
+example: one fault of every class, bit-identical to the run with its NaN shard alone); a whole-job
 SIGKILL after a checkpoint, then `--resume`, ends bit-identical to the uninterrupted run (the
 transformers example: its LR scheduler travels in the checkpoint and to the hot spare; the
 ResNet: SGD's momentum buffers)."""
@@ -49,13 +50,22 @@ def assert_resumes_bit_identical(scenario, clean: dict, tmp_path) -> dict:
     return json.loads((first / "checkpoints" / f"step-{CKPT:08d}" / "optimizer_state.json").read_text())
 
 
-def reference_run(scenario, out) -> dict:
+def reference_run(scenario, out, data_faults: bool = False) -> dict:
     """The uninterrupted `--no-faults` run the others are compared with: what `keel run
     --no-faults` runs, in this process (runtime.api.run_scenario; no interpreter to start, and
-    the fork server stays warm), so that only the runs under test pay a `keel run` each."""
+    the fork server stays warm), so that only the runs under test pay a `keel run` each.
+    `data_faults`: the scenario's faults on data shards kept (a poisoned shard is quarantined
+    and its samples resampled: the trajectory then is that run's, not the fault-free one's)."""
+    import dataclasses
+    from keel import fault_classes
     from keel.scenario import load
     from runtime.api import run_scenario
-    return run_scenario(load(scenario), out, no_faults=True, progress=False)
+    sc = load(scenario)
+    if not data_faults:
+        return run_scenario(sc, out, no_faults=True, progress=False)
+    kept = tuple(e for e in sc.faults.schedule if fault_classes.REGISTRY[e.class_].shard_target)
+    return run_scenario(dataclasses.replace(sc, faults=dataclasses.replace(sc.faults, schedule=kept)), out,
+                        progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -65,20 +75,36 @@ def llama_clean(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def llama_nan_only(tmp_path_factory):
+    """The transformers example with its NaN shard alone: the trajectory its faulty runs keep."""
+    pytest.importorskip("transformers")
+    return reference_run(LLAMA, tmp_path_factory.mktemp("llama") / "nan-only", data_faults=True)
+
+
+@pytest.fixture(scope="module")
 def resnet_clean(tmp_path_factory):
     return reference_run(RESNET, tmp_path_factory.mktemp("resnet") / "clean")
 
 
-def test_transformers_example_absorbs_faults_bit_identical(tmp_path, llama_clean):
+def test_transformers_example_absorbs_a_fault_of_every_class_bit_identical(tmp_path, llama_clean, llama_nan_only):
+    """One scheduled fault of every class in one run, 0 restarts. The NaN shard aside (its
+    quarantine changes the data from then on, as for the built-in job), the run ends bit for
+    bit as one with the NaN shard alone, which itself differs from the fault-free run."""
+    from keel import fault_classes
     faulty = keel_run(str(LLAMA), "--out", str(tmp_path / "faulty"))
-    assert_absorbed_bit_identical(faulty, llama_clean, ["hardware_fault", "network_jitter"])
+    classes = [f["class"] for f in faulty["faults"]]
+    assert sorted(classes) == sorted(fault_classes.REGISTRY)
+    nan_only = llama_nan_only
+    assert [f["class"] for f in nan_only["faults"]] == [c for c in classes if fault_classes.REGISTRY[c].shard_target]
+    assert nan_only["final_weights_sha256"] != llama_clean["final_weights_sha256"] and nan_only["quarantine"]
+    assert_absorbed_bit_identical(faulty, dict(nan_only, faults=[]), classes)
     # the summary names the job (the dashboard's Runs page shows it): entry, config, parameters
     assert faulty["job"] == {"entry": "job.py:job", "config": llama_clean["job"]["config"], "params": 51_360}
     assert faulty["job"]["config"]["hidden_size"] == 32
 
 
-def test_transformers_example_resumes_bit_identical_after_a_whole_job_kill(tmp_path, llama_clean):
-    meta = assert_resumes_bit_identical(LLAMA, llama_clean, tmp_path)
+def test_transformers_example_resumes_bit_identical_after_a_whole_job_kill(tmp_path, llama_nan_only):
+    meta = assert_resumes_bit_identical(LLAMA, llama_nan_only, tmp_path)  # its NaN shard strikes after CKPT
     assert set(meta["extra"]) == {"scheduler"}  # the job's LambdaLR, saved with the optimizer
 
 
