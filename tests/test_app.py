@@ -360,7 +360,7 @@ def test_compare_page_over_a_real_validation(monkeypatch, runs_root):
     specs = charts(at)
     assert "residuals by fault class" in titles(specs)
     timelines = next(s for s in specs if "vconcat" in s)["vconcat"]
-    assert [t["title"].split()[0] for t in timelines] == ["twin", "rep-0"]
+    assert [t["title"].split()[0] for t in timelines] == ["twin", "rep-0", "rep-1"]
     assert len(at.dataframe[0].value) >= len(comparison["faults"])
 
 

@@ -90,6 +90,11 @@ EMULATED = REPO / "scenarios" / "multiregion-12.toml"
 EMULATED_SETTINGS = ("--set", "checkpoint.interval_steps=5")
 
 
+# what the producers' commands printed with --json (and their exit codes): the planner's tests
+# (tests/test_planner_runtime.py) judge the same calibration and validation the pages show
+printed: dict[str, subprocess.CompletedProcess] = {}
+
+
 def calibration(root: Path) -> tuple[Path | None, str]:
     """`keel calibrate scenarios/multiregion-12.toml` in its quick mode (KEEL_CALIBRATE_QUICK=1,
     the planner's switch for tests)."""
@@ -97,14 +102,15 @@ def calibration(root: Path) -> tuple[Path | None, str]:
         if not available("planner.calibrate"):
             return None, "keel calibrate (planner/calibrate.py) is not in this checkout yet"
         out = root / "calibration.json"
-        keel("calibrate", str(EMULATED), *EMULATED_SETTINGS, "--out", str(out), timeout=400, KEEL_CALIBRATE_QUICK="1")
+        printed["calibration"] = keel("calibrate", str(EMULATED), *EMULATED_SETTINGS, "--out", str(out), "--json",
+                                      timeout=480, KEEL_CALIBRATE_QUICK="1")
         return out, ""
     return _once("calibration", make)
 
 
 def validation_run(root: Path) -> tuple[Path | None, str]:
-    """`keel validate scenarios/multiregion-12.toml` (emulated) with one runtime repetition,
-    on a quick calibration: comparison.json, twin/, runtime/rep-0/."""
+    """`keel validate scenarios/multiregion-12.toml` (emulated, its two runtime repetitions) on
+    a quick calibration: comparison.json, twin/, runtime/rep-0/ and rep-1/."""
     def make():
         if not (twin_ok() and available("planner.validate") and available("runtime.api")):
             return None, "keel validate (planner/validate.py + runtime/api.py) is not in this checkout yet"
@@ -113,8 +119,8 @@ def validation_run(root: Path) -> tuple[Path | None, str]:
             return None, why
         out = root / "validate-multiregion-12"
         # exit 1 = it ran and the comparison failed its tolerances: still a real comparison
-        proc = keel("validate", str(EMULATED), *EMULATED_SETTINGS, "--calibration", str(cal),
-                    "--set", "validate.repetitions=1", "--out", str(out), timeout=400, ok=(0, 1))
+        proc = printed["validation"] = keel("validate", str(EMULATED), *EMULATED_SETTINGS, "--calibration", str(cal),
+                                            "--out", str(out), "--json", timeout=900, ok=(0, 1))
         assert (out / "comparison.json").is_file(), f"keel validate wrote no comparison.json:\n{proc.stderr[-3000:]}"
         return out, ""
     return _once("validation", make)

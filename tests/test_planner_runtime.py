@@ -10,7 +10,9 @@ import subprocess
 
 import pytest
 
+import test_app_runs as shared
 from conftest import SCENARIOS, keel_cmd
+from test_app_runs import need, runs_root  # noqa: F401 (runs_root: a fixture)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("runtime.api") is None,
                                 reason="runtime.api (the runtime's entry point) is not there yet")
@@ -24,13 +26,11 @@ def _keel(*args: str, timeout: float, env: dict | None = None) -> subprocess.Com
 
 
 @pytest.fixture(scope="module")
-def calibration(tmp_path_factory):
-    """One quick calibration of the emulated 12-node cluster, shared by the tests below."""
-    path = tmp_path_factory.mktemp("calibration") / "calibration.json"
-    p = _keel("calibrate", str(EMULATED), "--out", str(path), "--json", timeout=480,
-              env={"KEEL_CALIBRATE_QUICK": "1"})
-    assert p.returncode == 0, p.stderr[-3000:]
-    return path, json.loads(p.stdout)
+def calibration(runs_root):
+    """One quick calibration of the emulated 12-node cluster (checkpoints every 5 steps), the
+    one the dashboard's tests read too (tests/test_app_runs.py: made once a session)."""
+    path = need(shared.calibration(runs_root))
+    return path, json.loads(shared.printed["calibration"].stdout)
 
 
 @pytest.mark.timeout(540)
@@ -59,12 +59,11 @@ def test_calibrate_measures_the_real_recovery_work(calibration):
 
 
 @pytest.fixture(scope="module")
-def validation(calibration, tmp_path_factory):
-    """One `keel validate` of the emulated 12-node cluster, shared by the tests below."""
-    path, _ = calibration
-    out = tmp_path_factory.mktemp("validate") / "validate"
-    p = _keel("validate", str(EMULATED), "--calibration", str(path), "--out", str(out), "--json", timeout=900)
-    assert p.returncode in (0, 1), p.stderr[-3000:]
+def validation(calibration, runs_root):
+    """One `keel validate` of the emulated 12-node cluster on that calibration, the one the
+    dashboard's tests read too."""
+    out = need(shared.validation_run(runs_root))
+    p = shared.printed["validation"]
     return out, p, json.loads(p.stdout)
 
 
