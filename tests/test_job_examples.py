@@ -1,7 +1,7 @@
-"""The examples of the job API (examples/, issue 26) under `keel run`, as a user runs them
-(the `--no-faults` reference runs in this process, through the same runtime.api.run_scenario):
-faults absorbed with 0 restarts end bit-identical to the `--no-faults` run (the transformers
-example: one fault of every class, bit-identical to the run with its NaN shard alone); a whole-job
+"""The examples of the job API (examples/, issue 26) under `keel run`, as a user runs them (the
+reference runs in this process, through the same runtime.api.run_scenario that `keel run`
+calls): one fault of every class absorbed with 0 restarts ends bit-identical to the run with
+the scenario's NaN shard alone (its quarantine changes the data, nothing else does); a whole-job
 SIGKILL after a checkpoint, then `--resume`, ends bit-identical to the uninterrupted run (the
 transformers example: its LR scheduler travels in the checkpoint and to the hot spare; the
 ResNet: SGD's momentum buffers)."""
@@ -76,24 +76,28 @@ def llama_nan_only(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def resnet_clean(tmp_path_factory):
-    return reference_run(RESNET, tmp_path_factory.mktemp("resnet") / "clean")
+def resnet_nan_only(tmp_path_factory):
+    return reference_run(RESNET, tmp_path_factory.mktemp("resnet") / "nan-only", data_faults=True)
 
 
-def test_transformers_example_absorbs_a_fault_of_every_class_bit_identical(tmp_path, llama_nan_only):
-    """One scheduled fault of every class in one run, 0 restarts. The NaN shard aside (its
-    quarantine changes the data from then on, as for the built-in job), the run ends bit for
-    bit as one with the NaN shard alone."""
+def assert_every_class_absorbed(scenario, nan_only: dict, tmp_path) -> dict:
+    """One scheduled fault of every class in one `keel run`, 0 restarts. The NaN shard aside
+    (its quarantine changes the data from then on, as for the built-in job), the run ends bit
+    for bit as `nan_only`, the run with the NaN shard alone."""
     from keel import fault_classes
-    faulty = keel_run(str(LLAMA), "--out", str(tmp_path / "faulty"))
+    faulty = keel_run(str(scenario), "--out", str(tmp_path / "faulty"))
     classes = [f["class"] for f in faulty["faults"]]
     assert sorted(classes) == sorted(fault_classes.REGISTRY)
-    nan_only = llama_nan_only
     assert [f["class"] for f in nan_only["faults"]] == [c for c in classes if fault_classes.REGISTRY[c].shard_target]
     assert nan_only["quarantine"] == faulty["quarantine"] != []
     assert_absorbed_bit_identical(faulty, dict(nan_only, faults=[]), classes)
+    return faulty
+
+
+def test_transformers_example_absorbs_a_fault_of_every_class_bit_identical(tmp_path, llama_nan_only):
+    faulty = assert_every_class_absorbed(LLAMA, llama_nan_only, tmp_path)
     # the summary names the job (the dashboard's Runs page shows it): entry, config, parameters
-    assert faulty["job"] == {"entry": "job.py:job", "config": nan_only["job"]["config"], "params": 51_360}
+    assert faulty["job"] == {"entry": "job.py:job", "config": llama_nan_only["job"]["config"], "params": 51_360}
     assert faulty["job"]["config"]["hidden_size"] == 32
 
 
@@ -102,13 +106,12 @@ def test_transformers_example_resumes_bit_identical_after_a_whole_job_kill(tmp_p
     assert set(meta["extra"]) == {"scheduler"}  # the job's LambdaLR, saved with the optimizer
 
 
-def test_plain_pytorch_example_absorbs_faults_bit_identical(tmp_path, resnet_clean):
-    faulty = keel_run(str(RESNET), "--out", str(tmp_path / "faulty"))
-    assert_absorbed_bit_identical(faulty, resnet_clean, ["hardware_fault", "network_jitter"])
+def test_plain_pytorch_example_absorbs_a_fault_of_every_class_bit_identical(tmp_path, resnet_nan_only):
+    assert_every_class_absorbed(RESNET, resnet_nan_only, tmp_path)
 
 
-def test_plain_pytorch_example_resumes_bit_identical_after_a_whole_job_kill(tmp_path, resnet_clean):
-    meta = assert_resumes_bit_identical(RESNET, resnet_clean, tmp_path)
+def test_plain_pytorch_example_resumes_bit_identical_after_a_whole_job_kill(tmp_path, resnet_nan_only):
+    meta = assert_resumes_bit_identical(RESNET, resnet_nan_only, tmp_path)
     assert meta["kind"] == "SGD" and not meta.get("extra")  # SGD's momentum buffers alone: no scheduler, no state
 
 
