@@ -27,15 +27,9 @@ from keel.rundir import read_events, read_summary  # noqa: E402
 from planner import validate as V  # noqa: E402
 
 
-def stored_observation(rep_dir: Path) -> dict:
-    """What `planner.validate.observe` returns, from a repetition already on disk."""
-    summary, events = read_summary(rep_dir), read_events(rep_dir)
-    return {**summary, **V.training_window(summary, events), "detect_s": V.detect_times(events)}
-
-
 def rejudge(scenario: S.Scenario, calibration: dict, out: Path, replicas: int) -> dict:
     reps = sorted((out / "runtime").glob("rep-*"), key=lambda p: int(p.name[4:]))
-    observed = [stored_observation(r) for r in reps]
+    observed = [V.observation(read_summary(r), read_events(r)) for r in reps]
     with tempfile.TemporaryDirectory() as tmp:
         predicted = V.twin_prediction(scenario, calibration, replicas, Path(tmp))
     return V.compare(scenario, predicted, observed, "given", "given")

@@ -126,12 +126,17 @@ def fresh(run_dir: Path) -> Path:
     return run_dir
 
 
+def observation(summary: Mapping[str, Any], events: Sequence[Any]) -> dict[str, Any]:
+    """What a runtime repetition gives the comparison: its summary, training window and
+    detections (bench/rejudge.py reads them from a repetition already on disk)."""
+    return {**summary, **training_window(summary, events), "detect_s": detect_times(events)}
+
+
 def observe(scenario: S.Scenario, rep_dir: Path, progress: bool) -> dict[str, Any]:
-    """One runtime repetition into `rep_dir`: its summary, training window and detections."""
+    """One runtime repetition into `rep_dir`: its `observation`."""
     from runtime.api import run_scenario
     summary = run_scenario(scenario, fresh(rep_dir), progress=progress)
-    events = read_events(rep_dir)
-    return {**summary, **training_window(summary, events), "detect_s": detect_times(events)}
+    return observation(summary, read_events(rep_dir))
 
 
 def runtime_observation(scenario: S.Scenario, repetitions: int, out_dir: Path,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import networkx as nx
 
@@ -93,7 +93,8 @@ class Topology:
         self._route_cache: dict[tuple[str, str], tuple[float, tuple[tuple[str, str], ...], float]] = {}
         self._ring_cache: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._cost_cache: dict[tuple[tuple[str, int], ...], ReductionCost] = {}
-        self._spike_cache: dict[tuple, Any] = {}
+        self._spike_cache: dict[tuple, float] = {}
+        self._chain_spike_cache: dict[tuple, dict[str, float]] = {}
         self._chain_cache: dict[tuple, dict[str, tuple[float, float]]] = {}
 
     # -- routing over the links between regions
@@ -311,13 +312,13 @@ class Topology:
         shape = tuple(sorted((r, n) for r, n in active_per_region.items() if n > 0))
         if dict(shape).get(region, 0) == 0 or spike_s <= 0:
             return {}
-        key = ("chains", shape, region, round(spike_s, 9))
-        got = self._spike_cache.get(key)
+        key = (shape, region, round(spike_s, 9))
+        got = self._chain_spike_cache.get(key)
         if got is None:
             rounds = wire.scenario_rounds(self.scenario)
             base = self.chains_s(dict(shape), rounds)
             spiked = self.chains_s(dict(shape), rounds, (region, spike_s))
-            got = self._spike_cache[key] = {r: max(0.0, spiked[r] - base[r]) for r in base}
+            got = self._chain_spike_cache[key] = {r: max(0.0, spiked[r] - base[r]) for r in base}
         return got
 
     def node_collective_s(self, groups: Sequence[Sequence[str]], rounds: Sequence[tuple[float, bool]],
