@@ -132,16 +132,24 @@ def relaunch_fits(time_scale: float, launch_s: float, restart_s: float, workers:
             f"{auto_time_scale(need):g}, or emulation.time_scale = \"auto\")")
 
 
-DETECT_MARGIN = 4.0  # "auto": the detection timeout's wall time at least this many of the probe's slowest steps
+DETECT_MARGIN = 1.5   # "auto": the detection timeout's wall time at least this many of the probe's slowest
+DETECT_FLOOR_S = 1 / 3  # steps, and at least this many wall seconds (x AUTO_HEADROOM, as every need: 2.25
+                        # slowest steps, 0.5 s)
 
 
 def detection_time_scale(slowest_s: float, detect_timeout_s: float) -> float:
     """The smallest time scale "auto" takes for the heartbeat's sake: the detection timeout's
-    wall time (detect_timeout_s x scale) DETECT_MARGIN times the slowest probed step, so that
-    a worker the loaded machine starves for as long is not declared lost (sweep member 7/1 at
-    time scale 0.05, a 0.25 s timeout on a machine loaded 25: every worker lost in its
-    calibration). An explicit scale is not refused on it: a false detection fails the run."""
-    return DETECT_MARGIN * slowest_s / detect_timeout_s if detect_timeout_s > 0 else 0.0
+    wall time (detect_timeout_s x scale) at least DETECT_MARGIN times the slowest probed step
+    and DETECT_FLOOR_S, so that a worker the loaded machine starves for as long is not declared
+    lost (sweep member 7/1 at time scale 0.05, a 0.25 s timeout, 12.5 ms of wall, on a machine
+    loaded 25: every worker lost in its calibration). A worker's heartbeats come from a thread
+    of their own, so a step of real work does not hold them up; 4 slowest steps (6 with the
+    headroom) ran the slow-step members of the sweep at time scale 1 for want of nothing but
+    this (sweep-1-0: a 266 ms slowest step, a 2 s timeout; 10 min for one member). An
+    explicit scale is not refused on it: a false detection fails the run."""
+    if detect_timeout_s <= 0:
+        return 0.0
+    return max(DETECT_MARGIN * slowest_s, DETECT_FLOOR_S) / detect_timeout_s
 
 
 def ladder_up(x: float) -> float:

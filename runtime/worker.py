@@ -301,6 +301,7 @@ class Worker:
             if emu is not None:
                 t_compute = emu.compute_s(len(self.slots), step)
                 compute_overrun = emu.after_compute(c0, t_compute)
+                c_computed = emu.c
             gate_s = [0.0]
 
             def before_comm() -> None:
@@ -318,14 +319,20 @@ class Worker:
                 continue  # redo the step with the new quarantine set
             if not self.chan.may_commit(step + 1):
                 hold_commit(self, step + 1, should_abort)
+            late_s = None
+            if emu is not None:  # the update and the report wait for the step's emulated end (node.py)
+                late_s = emu.commit(c0, self.abort_event)
+                if late_s is None:  # aborted before it: the cluster was still in this step's reduction
+                    emu.c = c_computed  # which the abort ends; its compute was done (the redo waits for it)
+                    raise Aborted()
             self.job.apply(mean)
             self.committed = step + 1
             t_total = time.perf_counter() - t0
             report = {"type": "step", "gen": g, "step": self.committed, "loss": float(mean[-1]),
                       "ready_s": t_ready, "compute_s": t_compute, "total_s": t_total,
                       "rounds": self.reducer.last_rounds, "slots": len(self.slots)}
-            if emu is not None:  # the report waits for the step's emulated end (node.py)
-                report["late_s"] = emu.commit(c0, self.abort_event)
+            if emu is not None:
+                report["late_s"] = late_s
                 report["compute_overrun"] = compute_overrun
                 report["total_s"] = emu.c - c0
                 report["warmup"] = self._warmup

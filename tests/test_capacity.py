@@ -170,6 +170,11 @@ def test_a_relaunch_must_fit_restart_s():
 
 
 def test_auto_keeps_the_detection_timeout_above_the_machines_stalls():
-    # a 5 s timeout, the slowest probed step 0.2 s: at least 4 x 0.2 s of wall for the timeout
-    assert capacity.detection_time_scale(0.2, 5.0) == pytest.approx(0.16)
-    assert capacity.auto_time_scale(capacity.detection_time_scale(0.2, 5.0)) == 0.3
+    # a 2 s timeout, the slowest probed step 0.4 s: at least 1.5 x 0.4 s of wall for the timeout,
+    # 0.9 s with auto's headroom
+    assert capacity.detection_time_scale(0.4, 2.0) == pytest.approx(0.3)
+    assert capacity.auto_time_scale(capacity.detection_time_scale(0.4, 2.0)) == 0.5
+    # a quick machine: the floor, 1/3 s (0.5 s with the headroom) of wall for the timeout
+    assert capacity.detection_time_scale(0.05, 5.0) == pytest.approx(1 / 15)
+    assert capacity.auto_time_scale(capacity.detection_time_scale(0.05, 5.0)) == 0.1
+    assert capacity.detection_time_scale(0.05, 0.0) == 0.0

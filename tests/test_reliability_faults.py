@@ -250,7 +250,13 @@ def check_run(summary: dict, events: list, schedule: list[dict], steps: int) -> 
             lost = {e.detail["node"] for e in events if e.kind == "detect" and e.detail.get("fault_id") == fid}
             assert "recover_start" in ks, where
             if lost & holders_at(events, idx[0]):
-                assert "reslot" in ks, f"a lost member's slots never moved: {where}"
+                # its slots moved, in the next generation: by its own episode's reslot, or all of
+                # them by another's (a parked straggler back in takes its slots back from the
+                # spare that held them, runtime/coordinator/planning.py)
+                after = next((e for e in events[idx[0]:] if e.kind == "reslot"
+                              and any(src in lost for _, src, _ in e.detail["moves"])), None)
+                assert after is not None, f"a lost member's slots never moved: {where}"
+                assert not lost & set(after.detail["slot_map"]), f"a lost member keeps slots: {where}"
         elif cls == "network_jitter":
             assert f["action"] == "backpressure_reslot", where
             spiked = {n for n in NODES if f["target"] in (n, region(n))}

@@ -91,10 +91,14 @@ class NodeEmulation:
             return True
         return False
 
-    def commit(self, start: float, interrupt: threading.Event | None = None) -> float:
-        """Before a step's report: wait for its emulated end; returns the emulated seconds it
-        was late (0 on time), counting an overrun beyond the tolerance."""
+    def commit(self, start: float, interrupt: threading.Event | None = None) -> float | None:
+        """Before a step's effect (its update, its report): wait for its emulated end; returns
+        the emulated seconds it was late (0 on time), counting an overrun beyond the tolerance,
+        or None where `interrupt` (the generation's abort) cut the wait short: on the cluster
+        the step was still in its reduction, which the abort ends, so it did not happen."""
         late = self.wait_until(self.c, interrupt)
+        if interrupt is not None and interrupt.is_set() and self.now() < self.c:
+            return None
         if late > max(LATE_TOLERANCE * (self.c - start), LATE_FLOOR_S / self.scale):
             self.overruns += 1
             self.worst_late_s = max(self.worst_late_s, late)
