@@ -429,8 +429,19 @@ def test_network_jitter_below_the_straggler_factor_is_endured():
     raw = tiny_with(**{"run.steps": 30, "faults.schedule": [
         {"at_step": 5, "class": "network_jitter", "target": "a/0", "spike_ms": 100.0, "duration_s": 20.0}]})
     result = twin.simulate(scenario(raw))
-    assert episodes(result.events)[0] == ["fault", "recover_end"]
+    ev = result.events
+    assert episodes(ev)[0] == ["fault", "recover_end"]
+    # it never made a straggler: its episode ends just before the first commit after the spike,
+    # as the runtime's does (runtime/coordinator/episodes.py), so its cost is the steps it slowed
+    fault, end = (next(e for e in ev if e.kind == k) for k in ("fault", "recover_end"))
+    i = ev.index(end)
+    settled, before = ev[i + 1], [e for e in ev[:i] if e.kind == "step"][-1]
+    assert settled.kind == "step" and settled.t == end.t and end.step == settled.step - 1
+    assert before.t < fault.t + 20.0 <= settled.t
     (f,) = result.summary["faults"]
+    start = [e for e in ev[:ev.index(fault)] if e.kind == "step"][-1]
+    step = result.summary["step_time_s"]
+    assert f["cost_s"] == pytest.approx(settled.t - start.t - (settled.step - start.step) * step)
     assert f["cost_s"] > 0
 
 

@@ -41,8 +41,9 @@ Semantics (docs/design.md for step numbering and fault ids):
   its slots move (to a spare, else to the least-loaded nodes, a region's to the other regions:
   keel.recovery.park_destinations) if that makes steps faster, and move back when the spike
   ends (after the last spike on the parked node, and straggler_window good probes). Its
-  episode ends with a `recover_end` when the spike is over, or just before `run_end` if the
-  run ends first, marked `at_run_end` (keel.metrics.open_at_end, as the runtime does).
+  episode ends with a `recover_end` when the spike is over (one that never made a straggler:
+  just before the first commit after it, as the runtime ends it), or just before `run_end` if
+  the run ends first, marked `at_run_end` (keel.metrics.open_at_end, as the runtime does).
 - `data_shard_skew`: the step in flight yields NaN at its end and is not committed. With
   policy.quarantine the shard is quarantined; absorb redoes the step, checkpoint_restart rolls
   back to the last checkpoint (a restart). A drawn NaN on a quarantined shard is skipped.
@@ -133,6 +134,7 @@ class Simulation(CoordinatorLossMixin):
         self.gen = 0                 # generations formed after the first (re-forms, restarts, re-slots)
         self.last_step_event_t = -1.0
         self.pending_first_since: float | None = None
+        self.ends_at_commit: list[int] = []  # episodes whose recover_end comes just before the next commit
         self.queue: deque[Cause] = deque()
         self.trainer_state = "busy"
         self.interrupt_sent = False
@@ -175,6 +177,11 @@ class Simulation(CoordinatorLossMixin):
         """A `step` event, after the recover_ends due before it (`before`: the steps committed
         until then)."""
         self._flush_ends(t, before)
+        for fid in self.ends_at_commit:
+            info = self.faults.info[fid]
+            self.events.append(Event(round(t, 6), before, "recover_end", info.fault, info.target, info.action,
+                                     {"fault_id": fid}))
+        self.ends_at_commit.clear()
         self.last_step_event_t = t
         self.events.append(Event(round(t, 6), step, "step"))
 
@@ -278,6 +285,7 @@ class Simulation(CoordinatorLossMixin):
                 yield from self.checkpoints.take()
             else:
                 yield from self._segment(self._steps_to_boundary())
+        self.ends_at_commit.clear()  # no commit came: open_at_end closes them below
         if completed:  # a spike that outlasts the run: its episode closes here (keel.metrics)
             for fid in open_at_end(self.events):
                 self.emit_episode("recover_end", fid, at_run_end=True)
