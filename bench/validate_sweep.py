@@ -2,7 +2,7 @@
 members of a seeded family of scenarios the twin was never tuned on (planner/scenario_gen.py).
 
     .venv/bin/python bench/validate_sweep.py N [--seed S] [--max-nodes M] [--out runs/validate-sweep]
-        [--quick] [--timeout S] [--svg FILE] [--json] [--again]
+        [--quick] [--timeout S] [--svg FILE] [--json] [--again | --resume]
     make validate-sweep [N=30] [SEED=1]
 
 Each member is written to OUT/scenarios/NAME.toml (its features in a comment) and validated by
@@ -17,7 +17,8 @@ The report: the pass rate over the judged members, the downtime error per fault 
 feature of the scenarios (so a failure points at the twin's weak spot), a plot of predicted
 against observed downtime of every fault, and every member that did not pass copied to
 OUT/failing/ to replay (`keel validate OUT/failing/NAME.toml`). Writes OUT/sweep.json and
-OUT/sweep.md; `--again` runs nothing and reports the members already in OUT/members.jsonl.
+OUT/sweep.md; `--again` runs nothing and reports the members already in OUT/members.jsonl;
+`--resume` keeps those and runs the rest (a sweep stopped part way, the members it finished kept).
 Progress goes to stderr: a bar on a terminal, a line now and then otherwise.
 """
 from __future__ import annotations
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--svg", default=None, help="the plot (default OUT/sweep.svg)")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     ap.add_argument("--again", action="store_true", help="run nothing: report OUT/members.jsonl")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the members OUT/members.jsonl already has (a sweep stopped part way) and run the rest")
     args = ap.parse_args(argv)
     if args.n < 1 or not 4 <= args.max_nodes <= 40:
         print("validate_sweep: expected N >= 1 and --max-nodes in 4-40", file=sys.stderr)
@@ -209,16 +212,23 @@ def main(argv: list[str] | None = None) -> int:
             if r["verdict"] in ("pass", "fail") and comparison.exists():
                 r.update(judged(json.loads(comparison.read_text())))
     else:
-        records = []
-        log.write_text("")
-        with progress_bar(total=args.n, desc=f"validate-sweep seed {args.seed}", unit="scenario") as bar:
+        kept = {}
+        if args.resume and log.exists():  # a member's record is written once it is over: those are whole
+            kept = {r["index"]: r for r in (json.loads(line) for line in log.read_text().splitlines() if line.strip())}
+        records = [kept[i] for i in range(args.first, args.first + args.n) if i in kept]
+        log.write_text("".join(json.dumps(r) + "\n" for r in records))
+        with progress_bar(total=args.n, initial=len(records), desc=f"validate-sweep seed {args.seed}",
+                          unit="scenario") as bar:
             for index in range(args.first, args.first + args.n):
+                if index in kept:
+                    continue
                 r = run_member(args.seed, index, out, args.max_nodes, args.quick, args.timeout)
                 records.append(r)
                 with log.open("a") as f:
                     f.write(json.dumps(r) + "\n")
                 bar.set_postfix(**{r["name"]: r["verdict"]})
                 bar.update()
+    records.sort(key=lambda r: r["index"])
     s = summarise(records, args.seed)
     (out / "sweep.json").write_text(json.dumps({"summary": s, "members": records}, indent=1))
     text = markdown(records, s)
