@@ -268,10 +268,12 @@ class Simulation(CoordinatorLossMixin):
                 yield from self._restart()
             elif self.awaiting_recovery:
                 yield from self._recover()
+            elif (back := st.moving_back()) is not None:
+                yield from st.end_spike(back)
             elif self.carry_s is not None or self.nan_pending:
                 yield from self._segment(1)
             elif st.spike_ends:
-                yield from st.end_spike(st.spike_ends.pop(0))
+                yield from st.end_spike(st.spike_ends[0])
             elif (due := st.due()):
                 yield from st.straggler(due[0])
             elif self.committed >= s.run.steps:

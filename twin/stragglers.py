@@ -143,6 +143,10 @@ class Stragglers:
             trial_slots[to] += k
         if self.cost.expected_s(self.cost.shape(nodes=trial_nodes, slots=trial_slots)) >= before:
             return  # moving would not help: endure the spike
+        # the runtime judges at this commit and aborts at once; the next step had started with
+        # it, so the holders finish its compute before they see the abort (StepCost.drain_s),
+        # and it is redone with the new slots
+        inflight = (sim.env.now, self.cost.compute_by_node())
         sim.emit_episode("recover_start", fid)
         for n in movers:
             c.update(n, slots=0, role="parked")
@@ -154,7 +158,9 @@ class Stragglers:
         receivers = merge([(to, k) for _, to, k in plan])
         sim.emit_episode("reslot", fid, slots=sum(k for _, _, k in plan), to=[f"{n}:{k}" for n, k in receivers])
         takeover = self.params.spare_takeover_s if spares else 0.0
-        yield from sim.wait(self.params.reform_s + takeover + self.cost.transfer_s(receivers), "paused")
+        formed = self.params.reform_s + takeover
+        yield from sim.wait(formed + self.cost.drain_s(inflight, sim.env.now + formed) + self.cost.transfer_s(receivers),
+                            "paused")
         sim.new_generation()
 
     def _plan_moves(self, movers: list[Node], spares: list[Node]) -> list[tuple[str, str, int]]:
@@ -164,14 +170,23 @@ class Stragglers:
         return R.park_destinations([(m.name, m.slots) for m in movers], self.cluster.as_holders(others),
                                    [s.name for s in spares], self.cost.topology.region_names)
 
+    def moving_back(self) -> int | None:
+        """A spike over whose parked slots go home: the runtime aborts the generation when the
+        probes say so, mid-step, so the trainer takes it before the step in flight ends."""
+        return next((f for f in self.spike_ends if self.cluster.spikes[f].moves), None)
+
     def end_spike(self, fid: int) -> Generator:
         """The spike is over: parked slots go home (what their receivers still hold), and the
-        episode ends."""
+        episode ends. Where slots move, the generation is aborted: the step in flight is lost
+        (its holders finish their compute first, StepCost.drain_s) and redone."""
         sim, c = self.sim, self.cluster
+        self.spike_ends.remove(fid)
         sp = c.spikes.pop(fid)
         if not sp.moves:
             sim.emit_episode("recover_end", fid)
             return
+        inflight = sim.inflight if sim.carry_s is not None else None  # its start, its holders' compute
+        sim.carry_s = None  # the step in flight is lost
         back: list[tuple[str, int]] = []
         for frm, to, k in sp.moves:
             home, holder = c.nodes[frm], c.nodes[to]
@@ -195,7 +210,9 @@ class Stragglers:
         # a returning straggler is behind: the runtime sends it the whole state, not a slot's share
         homes = {frm for frm, _, _ in sp.moves}
         copy = [(n, c.slot_count if n in homes else k) for n, k in back]
-        yield from sim.wait(self.params.reform_s + self.cost.transfer_s(copy), "paused")
+        formed = self.params.reform_s
+        yield from sim.wait(formed + self.cost.drain_s(inflight, sim.env.now + formed) + self.cost.transfer_s(copy),
+                            "paused")
         sim.new_generation()
         sim.emit_episode("recover_end", fid)
 
