@@ -139,12 +139,21 @@ def calibrate(*, quick: bool = False, base: S.Scenario | None = None, workdir: s
 
     failures: list[dict[str, str]] = []
     reps = repetitions(quick)
-    tmp = tempfile.TemporaryDirectory(prefix="keel-calibrate-") if workdir is None else None
-    try:
-        samples = measure(base, Path(tmp.name if tmp else workdir), reps, say, failures)
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    samples: dict[str, list[float]] = {}
+    if base.policy.kind == "checkpoint_restart":
+        # its every recovery is a relaunch, which the emulation (and the twin) time by
+        # policy.restart_s: the runs measure none of the primitives (reform_s, spare_takeover_s,
+        # coordinator_restart_s are absorb's re-forms), and cost minutes of relaunches
+        say("nothing to measure under policy.kind checkpoint_restart: every recovery is a relaunch, timed by "
+            "policy.restart_s; the twin takes every primitive from the scenario")
+        reps = 0
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="keel-calibrate-") if workdir is None else None
+        try:
+            samples = measure(base, Path(tmp.name if tmp else workdir), reps, say, failures)
+        finally:
+            if tmp is not None:
+                tmp.cleanup()
     fitted = fit_calibration(samples)
     return {
         "format": FORMAT,

@@ -131,3 +131,21 @@ def test_the_twin_reads_every_name_the_file_has():
     primitives = {f.name for f in dataclasses.fields(TwinParams)} - {
         "compute_jitter", "heartbeat_s", "replace_node_s", "calibrated", "detect_at_commit_s"}
     assert set(K.NAMES) == primitives
+
+
+def test_checkpoint_restart_has_nothing_to_measure_and_runs_nothing(monkeypatch):
+    """Under checkpoint_restart every recovery is a relaunch timed by policy.restart_s: its
+    runs yield none of the primitives (sweep members 1/3 and 1/4: every one missing, after
+    220-245 s of relaunches), so calibrate says so and starts nothing."""
+    from keel.paths import DEFAULT_SCENARIO
+    from keel.scenario import load
+    from planner import calibrate as C
+
+    def no_run(*a, **k):
+        raise AssertionError("a calibration run was started")
+
+    monkeypatch.setattr(C, "measure", no_run)
+    base = load(DEFAULT_SCENARIO).with_overrides({"policy.kind": "checkpoint_restart"})
+    cal = C.calibrate(base=base, progress=False)
+    assert cal["missing"] == list(F.RUN_KEYS) and cal["primitives"] == {}
+    assert cal["reference"]["runs"] == 0 and cal["reference"]["nodes"] == base.total_nodes
