@@ -12,7 +12,8 @@ Where things live in twin/:
   topology.py: the networkx graph and the routed costs (reduction, spike delay, transfers).
 - faults.py: `Faults`: fault ids, the schedule, node faults' detection and repair.
 - checkpoints.py: `Checkpoints`: when one is due, its pause, the background write. fault_kinds/: each class's
-  strike and arrivals (coordinator_loss.py: also what the loss does to the trainer, a mixin of `Simulation`).
+  strike and arrivals (coordinator_loss.py: also what the loss does to the trainer, a mixin of `Simulation`;
+  data_shard_skew.py: the quarantine when the step comes out non-finite).
 - stragglers.py: `Stragglers`: re-slots no death forces (a straggler parked and back, a rejoined spare).
 - params.py: `TwinParams`, the scenario's figures with a calibration's applied.
 Every recovery decision is keel.recovery's; these modules only time it.
@@ -36,14 +37,12 @@ Semantics (docs/design.md for step numbering and fault ids):
   the interrupted step. With no live training node left there is no copy of the state: it
   falls back to a restart from the last checkpoint (a `restart` event).
 - `network_jitter`: a spike delays every step while it lasts (StepCost.shape: a node's by its
-  messages, a region's per reduction chain). Under absorb, a straggler (keel.recovery's rule,
-  twin/stragglers.py) is detected at its first slow step and after straggler_window slow steps
-  its slots move (to a spare, else to the least-loaded nodes, a region's to the other regions:
-  keel.recovery.park_destinations) if that makes steps faster, and move back when the spike
-  ends (after the last spike on the parked node, and straggler_window good probes). Its
-  episode ends with a `recover_end` when the spike is over (one that never made a straggler:
-  just before the first commit after it, as the runtime ends it), or just before `run_end` if
-  the run ends first, marked `at_run_end` (keel.metrics.open_at_end, as the runtime does).
+  messages, a region's per reduction chain). Under absorb a straggler (twin/stragglers.py) is
+  detected at its first slow step; after straggler_window of them its slots move if that makes
+  steps faster, and back once the spike is over and straggler_window probes are good: each move
+  aborts the step in flight (drained, then redone). The episode ends at its move back, or just
+  before the first commit after the spike where nothing moved (as the runtime ends both), or
+  just before `run_end`, marked `at_run_end` (keel.metrics.open_at_end).
 - `data_shard_skew`: the step in flight yields NaN at its end and is not committed. With
   policy.quarantine the shard is quarantined; absorb redoes the step, checkpoint_restart rolls
   back to the last checkpoint (a restart). A drawn NaN on a quarantined shard is skipped.
@@ -86,6 +85,7 @@ from keel import recovery as R
 from keel.metrics import open_at_end
 from keel.scenario import Scenario
 from twin.checkpoints import Checkpoints
+from twin.fault_kinds import data_shard_skew
 from twin.fault_kinds.coordinator_loss import CoordinatorLossMixin
 from twin.cluster import Cluster
 from twin.cost import StepCost
@@ -134,7 +134,6 @@ class Simulation(CoordinatorLossMixin):
         self.gen = 0                 # generations formed after the first (re-forms, restarts, re-slots)
         self.last_step_event_t = -1.0
         self.pending_first_since: float | None = None
-        self.ends_at_commit: list[int] = []  # episodes whose recover_end comes just before the next commit
         self.queue: deque[Cause] = deque()
         self.trainer_state = "busy"
         self.interrupt_sent = False
@@ -177,11 +176,7 @@ class Simulation(CoordinatorLossMixin):
         """A `step` event, after the recover_ends due before it (`before`: the steps committed
         until then)."""
         self._flush_ends(t, before)
-        for fid in self.ends_at_commit:
-            info = self.faults.info[fid]
-            self.events.append(Event(round(t, 6), before, "recover_end", info.fault, info.target, info.action,
-                                     {"fault_id": fid}))
-        self.ends_at_commit.clear()
+        self.stragglers.flush_ends(t, before)
         self.last_step_event_t = t
         self.events.append(Event(round(t, 6), step, "step"))
 
@@ -287,7 +282,7 @@ class Simulation(CoordinatorLossMixin):
                 yield from self.checkpoints.take()
             else:
                 yield from self._segment(self._steps_to_boundary())
-        self.ends_at_commit.clear()  # no commit came: open_at_end closes them below
+        self.stragglers.ends_at_commit.clear()  # no commit came: open_at_end closes them below
         if completed:  # a spike that outlasts the run: its episode closes here (keel.metrics)
             for fid in open_at_end(self.events):
                 self.emit_episode("recover_end", fid, at_run_end=True)
@@ -427,7 +422,7 @@ class Simulation(CoordinatorLossMixin):
         if done:
             if nan:
                 self.segment = None
-                self._nan_step_done()
+                data_shard_skew.step_done(self)
                 return
             self._sync(last_commit=False)  # its end is written just below
             self._emit_step(seg, count - 1)
@@ -441,20 +436,3 @@ class Simulation(CoordinatorLossMixin):
                 self.carry_elapsed_s = self.env.now - (seg.start + (float(cum[k - 1]) if k > 0 else 0.0))
                 self.inflight = (self.env.now - self.carry_elapsed_s, self.cost.compute_by_node())
         self.segment = None
-
-    def _nan_step_done(self) -> None:
-        """The step in flight came out non-finite: it is not committed."""
-        fids, self.nan_pending = self.nan_pending, []
-        for fid in fids:
-            info = self.faults.info[fid]
-            self.emit_episode("detect", fid, non_finite_step=self.committed + 1)
-            if info.action == R.FAIL_ACTION:
-                self.failure = (f"step {self.committed + 1}: {info.target} yields non-finite values "
-                                "and policy.quarantine is false")
-                continue
-            self.quarantined.add(info.target)
-            self.emit_episode("quarantine", fid, shard=info.target)
-            if info.action != R.RESTART_ACTION:  # absorb: quarantined and resampled
-                self.emit_episode("recover_end", fid)
-            else:  # checkpoint_restart: the shard is quarantined, then the job restarts
-                self.restart_for.append(fid)

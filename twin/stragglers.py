@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Generator
 
 from keel import recovery as R
+from keel.events import Event
 from keel.scenario import is_node
 from twin.cluster import Node, merge
 
@@ -31,6 +32,7 @@ class Stragglers:
         self.watches: dict[int, int] = {}     # fault id -> committed steps at which its slots move
         self.detect_at: dict[int, int] = {}   # fault id -> committed steps at which it is detected
         self.spike_ends: list[int] = []       # spikes over, their episode still to close
+        self.ends_at_commit: list[int] = []   # spikes over that made no straggler: closed at the next commit
 
     # ------------------------------------------------------------------ what the trainer asks
     def spike_started(self, fid: int) -> None:
@@ -46,9 +48,18 @@ class Stragglers:
             # spike, as the runtime's does (runtime/coordinator/episodes.py), not after the step
             # in flight, which put one more step into its cost (sweep member 7/4: +93 %)
             self.cluster.spikes.pop(fid)
-            self.sim.ends_at_commit.append(fid)
+            self.ends_at_commit.append(fid)
             return
         self.spike_ends.append(fid)
+
+    def flush_ends(self, t: float, before: int) -> None:
+        """The `recover_end` of each spike in ends_at_commit, just before the commit at `t`
+        (`before`: the steps committed until then), as the runtime writes it."""
+        for fid in self.ends_at_commit:
+            info = self.sim.faults.info[fid]
+            self.sim.events.append(Event(round(t, 6), before, "recover_end", info.fault, info.target, info.action,
+                                         {"fault_id": fid}))
+        self.ends_at_commit.clear()
 
     def due(self) -> list[int]:
         """Watched spikes whose straggler_window of slow steps is complete."""

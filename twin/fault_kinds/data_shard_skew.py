@@ -1,6 +1,6 @@
 """`data_shard_skew` in the twin: a shard yields non-finite values in the step in flight (a
-`nan` cause; the trainer's quarantine is twin/model.py's). A quarantined shard strikes no more
-(keel.recovery.shard_skipped)."""
+`nan` cause), which the trainer (twin/model.py) ends at its flag's all-reduce (`step_done`:
+the quarantine). A quarantined shard strikes no more (keel.recovery.shard_skipped)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Generator
@@ -10,6 +10,7 @@ from twin.faults import DAY, Cause, FaultInfo
 
 if TYPE_CHECKING:
     from twin.faults import Faults
+    from twin.model import Simulation
 
 NAME = "data_shard_skew"
 
@@ -32,3 +33,23 @@ def arrivals(faults: Faults, table: Any, rng: Any) -> Generator:
     while True:
         yield faults.env.timeout(rng.exponential(DAY / table.per_day))
         strike(faults, f"shard/{int(rng.integers(shards))}", False)
+
+
+def step_done(sim: Simulation) -> None:
+    """The step in flight came out non-finite: it is not committed; each shard that struck is
+    quarantined (absorb: resampled, the episode over; checkpoint_restart: then the job
+    restarts), or the run fails where policy.quarantine is false."""
+    fids, sim.nan_pending = sim.nan_pending, []
+    for fid in fids:
+        info = sim.faults.info[fid]
+        sim.emit_episode("detect", fid, non_finite_step=sim.committed + 1)
+        if info.action == R.FAIL_ACTION:
+            sim.failure = (f"step {sim.committed + 1}: {info.target} yields non-finite values "
+                           "and policy.quarantine is false")
+            continue
+        sim.quarantined.add(info.target)
+        sim.emit_episode("quarantine", fid, shard=info.target)
+        if info.action != R.RESTART_ACTION:  # absorb: quarantined and resampled
+            sim.emit_episode("recover_end", fid)
+        else:  # checkpoint_restart: the shard is quarantined, then the job restarts
+            sim.restart_for.append(fid)
