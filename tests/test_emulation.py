@@ -140,11 +140,11 @@ def test_time_scale_without_emulation_is_an_input_error(tmp_path):
     assert "--time-scale" in p.stderr and "--emulate" in p.stderr and "Traceback" not in p.stderr
 
 
-def _emulated_collective_s(sc, members, spike=None, length=44_000):
+def _emulated_collective_s(sc, members, spike=None, length=44_000, starts=None):
     """The emulated all-reduce over `members` without processes: the runtime's own plan
     (runtime/emulation/hier.py) priced message by message (netem.py), every node starting at
-    0; `spike` = (target, seconds) on the messages the target sends (a node: all of them; a
-    region: those to other regions)."""
+    0 (or at `starts[node]`, then every node's end is returned); `spike` = (target, seconds)
+    on the messages the target sends (a node: all of them; a region: those to other regions)."""
     from runtime.emulation import hier, netem
     groups = H.ring_members(sc, members)
     order = [n for g in groups for n in g]
@@ -157,12 +157,12 @@ def _emulated_collective_s(sc, members, spike=None, length=44_000):
         on = spike is not None and (src == spike[0] or (region == spike[0] and dst.rsplit("/", 1)[0] != region))
         pricer.spike_s, pricer.spike_scope = (spike[1], "node" if "/" in spike[0] else "region") if on else (0.0, None)
         return pricer(step, msg, t)
-    clocks = [0.0] * len(order)
+    clocks = [0.0] * len(order) if starts is None else [starts[n] for n in order]
     for i, (nbytes, exchange) in enumerate(wire.scenario_rounds(sc)):  # the step's all-reduces in turn
         plan = hier.build_plan([[index[n] for n in g] for g in groups], length, exchange)
         pricer.bytes_per_element, pricer.key = nbytes / length, f"parity/r{i}"
         clocks = hier.clocks(plan, clocks, price)
-    return max(clocks)
+    return max(clocks) if starts is None else dict(zip(order, clocks))
 
 
 def test_the_twins_collective_is_the_emulated_one():
@@ -212,6 +212,41 @@ def test_the_twins_collective_on_generated_clusters(seed, index, max_nodes):
         active[m.rsplit("/", 1)[0]] = active.get(m.rsplit("/", 1)[0], 0) + 1
     emulated = _emulated_collective_s(sc, members)
     assert Topology(sc).reduction(active).seconds(wire.scenario_bytes(sc)) == pytest.approx(emulated, rel=0.04)
+
+
+# members whose regions differ in speed or chain: each starts its next step as soon as it has its
+# own result, so steps that run on are shorter than one from a common start (the twin's step
+# until 6 Dec: 1/6 +9 %, 1/4 +11 %, 1/7 +9 %, 1/10 +11 %)
+PIPELINED = [(1, 6, 40), (1, 4, 40), (1, 7, 40), (1, 10, 40), (1, 25, 40), (7, 2, 8)]
+
+
+@pytest.mark.parametrize("seed,index,max_nodes", PIPELINED)
+def test_steps_that_run_on_take_the_emulated_period(seed, index, max_nodes):
+    """Without jitter, every node computing its slots then the emulated all-reduce, step after
+    step, each node starting the next at its own end (as a worker does): the period the
+    emulation settles to is the twin's fault-free step (twin/cost.py, the max-plus cycle mean),
+    and its first step, from a common start, the twin's cold one."""
+    from planner.scenario_gen import generate
+    from twin.params import TwinParams
+    from twin.model import Simulation
+    import numpy as np
+    sc, _ = generate(seed, index, max_nodes)
+    sc = sc.with_overrides({"workload.compute_jitter": 0.0, "links": [{**{k: getattr(l, k) for k in (
+        "a", "b", "rtt_ms", "gbit_s")}, "jitter_ms": 0.0} for l in sc.links]})
+    sim = Simulation(sc, TwinParams.from_scenario(sc), 1)
+    members = [n.name for n in sim.cluster.active() if n.slots > 0]
+    compute = {n.name: n.slots * sim.params.slot_compute_s / n.speed for n in sim.cluster.active() if n.slots > 0}
+    ends, firsts = {n: 0.0 for n in members}, []
+    for _ in range(12):
+        ends = _emulated_collective_s(sc, members, starts={n: ends[n] + compute[n] for n in members})
+        firsts.append(max(ends.values()))
+    period = (firsts[-1] - firsts[-5]) / 4
+    shape = sim.cost.current_shape()
+    overhead = shape.fixed_s
+    assert shape.expected_s() - overhead == pytest.approx(period, rel=0.02)
+    assert shape.draw(sim.step_noise, 2)[0] - overhead == pytest.approx(firsts[0], rel=0.02)
+    assert shape.draw(sim.step_noise, 2, warm=True)[0] == pytest.approx(shape.expected_s())
+    assert np.all(shape.draw(sim.step_noise, 3)[1:] == pytest.approx(shape.expected_s()))
 
 
 # node spikes on generated members: the twin priced a node's spike as its region's worst chain

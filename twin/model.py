@@ -129,6 +129,7 @@ class Simulation(CoordinatorLossMixin):
         self.segment: Segment | None = None
         self.carry_s: float | None = None
         self.carry_elapsed_s = 0.0   # how far the interrupted step had got
+        self.warm = False            # the next step follows one that ran on into it: StepShape.draw
         self.inflight: tuple[float, dict[str, float]] | None = None  # its start, each holder's compute
         self.gen_start = 0           # committed steps when the current generation started
         self.gen = 0                 # generations formed after the first (re-forms, restarts, re-slots)
@@ -315,6 +316,7 @@ class Simulation(CoordinatorLossMixin):
     def new_generation(self) -> None:
         self.gen_start = self.committed
         self.gen += 1
+        self.warm = False  # its members start its first step together
 
     # ------------------------------------------------------------------ node loss: absorb or restart
     def _detected(self, fid: int) -> None:
@@ -406,7 +408,8 @@ class Simulation(CoordinatorLossMixin):
     def _segment(self, count: int) -> Generator:
         """Draw `count` steps and wait for them; a cause that interrupts keeps what committed."""
         assert self.cluster.held_slots == self.cluster.slot_count and not self.cluster.orphans, "slots lost"
-        durations = self.cost.current_shape().draw(self.step_noise, count)
+        durations = self.cost.current_shape().draw(self.step_noise, count, warm=self.warm)
+        self.warm = True
         self.inflight = None
         if self.carry_s is not None:
             durations[0] = max(self.carry_s, 0.0)

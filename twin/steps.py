@@ -87,6 +87,20 @@ class NormalPool:
         return pool[pos:pos + count]
 
 
+def max_cycle_mean(a: dict[str, dict[str, float]]) -> float:
+    """The max-plus eigenvalue of the square matrix `a` (a[u][v]: -inf for no edge): the largest
+    mean weight of a cycle (Karp, 1978), the period of x_v(k + 1) = max_u x_u(k) + a[u][v]
+    once it settles (a strongly connected `a`)."""
+    nodes = list(a)
+    n = len(nodes)
+    d = [{v: 0.0 for v in nodes}]
+    for _ in range(n):
+        prev = d[-1]
+        d.append({v: max(prev[u] + a[u][v] for u in nodes) for v in nodes})
+    return max(min((d[n][v] - d[k][v]) / (n - k) for k in range(n) if d[k][v] > -math.inf)
+               for v in nodes if d[n][v] > -math.inf)
+
+
 @dataclass(frozen=True, slots=True)
 class StepShape:
     """What one step costs under the cluster's current state."""
@@ -95,9 +109,13 @@ class StepShape:
     fixed_s: float          # overhead + spike delay
     latency_s: float        # the reduction's latency term (the link noise never undercuts it)
     link_jitter_s: float    # standard deviation of the per-step link noise
+    overlap_s: float = 0.0  # what a step saves on the last when both run on: each region starts
+                            # its next step once it has its own result (twin/cost.py)
 
-    def draw(self, pool: "NormalPool", count: int) -> np.ndarray:
-        """`count` step times, one draw per group and step (plus one for the links)."""
+    def draw(self, pool: "NormalPool", count: int, warm: bool = False) -> np.ndarray:
+        """`count` step times, one draw per group and step (plus one for the links); each step
+        after the first, and the first too where `warm` (the step before it ran on, no pause
+        between), `overlap_s` shorter."""
         slowest = None
         for n, base, offset in self.groups:
             if self.compute_jitter > 0:
@@ -109,6 +127,9 @@ class StepShape:
         out = (slowest if slowest is not None else np.zeros(count)) + self.fixed_s
         if self.link_jitter_s > 0:
             out += np.maximum(self.link_jitter_s * pool.max_of(1, count), -self.latency_s)
+        if self.overlap_s > 0:
+            i = 0 if warm else 1
+            out[i:] = np.maximum(out[i:] - self.overlap_s, 0.0)
         return out
 
     @property
@@ -117,7 +138,8 @@ class StepShape:
         return sum(n for n, _, _ in self.groups)
 
     def expected_s(self) -> float:
-        return expected_max(self.groups, self.compute_jitter) + self.fixed_s
+        """A step's expected time once steps run on (the fault-free pace)."""
+        return expected_max(self.groups, self.compute_jitter) + self.fixed_s - self.overlap_s
 
 
 _ERFC = np.frompyfunc(math.erfc, 1, 1)

@@ -95,7 +95,7 @@ class Topology:
         self._cost_cache: dict[tuple[tuple[str, int], ...], ReductionCost] = {}
         self._spike_cache: dict[tuple, float] = {}
         self._chain_spike_cache: dict[tuple, dict[str, float]] = {}
-        self._chain_cache: dict[tuple, dict[str, tuple[float, float]]] = {}
+        self._chain_cache: dict[tuple, dict[str, dict[str, tuple[float, float]]]] = {}
 
     # -- routing over the links between regions
     def route(self, a: str, b: str) -> tuple[float, tuple[tuple[str, str], ...], float]:
@@ -173,6 +173,15 @@ class Topology:
         all-reduces one after the other (keel.wire.scenario_rounds): a region starts the next
         when it has the last; an exchange crosses regions once, every region sending its bytes
         to every other at once over the routed path (links shared by the pairs routed on them)."""
+        return {start: max(t for t in ends.values() if t > -math.inf)
+                for start, ends in self.chain_ends_s(active, nbytes, spike).items()}
+
+    def chain_ends_s(self, active: dict[str, int], nbytes: float | Sequence[tuple[float, bool]],
+                     spike: tuple[str, float] | None = None) -> dict[str, dict[str, float]]:
+        """`chains_s` per region the chain ends in: [r][s] is when region s has the result if
+        r's nodes start at 0 and every other region's are already there (-inf where none
+        reaches s). A region starts its next step as soon as it has its own result, so the
+        steps' period is the max-plus cycle mean of compute + this matrix (`pipelined_period`)."""
         rounds = [(float(nbytes), False)] if isinstance(nbytes, (int, float)) else list(nbytes)
         shape = {r: n for r, n in active.items() if n > 0}
         if sum(shape.values()) <= 1:
@@ -196,7 +205,7 @@ class Topology:
             spiked = node_spike[1] if node_spike is not None and node_spike[0] == r else 0.0
             return (shape[r] - 1) * (k.hop_latency[r] + nbytes * k.hop_per_byte[r]) + spiked
 
-        def chain(start: str) -> float:
+        def chain(start: str) -> dict[str, float]:
             end = {r: 0.0 if r == start else -math.inf for r in shape}
             for nbytes, exchange in rounds:
                 clock = {r: end[r] + intra(r, nbytes) for r in shape}
@@ -211,7 +220,7 @@ class Topology:
                         clock[k.nxt[a]] = max(clock[k.nxt[a]], sent[a] + k.fixed[a] + extra(a)
                                               + nbytes * k.per_byte[a][piece])
                 end = {r: clock[r] + intra(r, nbytes) for r in shape}
-            return max(t for t in end.values() if t > -math.inf)
+            return end
         return {start: chain(start) for start in shape}
 
     def _step_costs(self, shape: dict[str, int]) -> "StepCosts":
@@ -255,16 +264,18 @@ class Topology:
         return StepCosts(tuple(ring), dict(edges), pairs, hop_latency, hop_per_byte, fixed, per_byte, x_fixed,
                          x_per_byte, link_s_per_byte)
 
-    def reduction_chains(self, active_per_region: dict[str, int]) -> dict[str, tuple[float, float]]:
-        """Per active region: (its chain's latency part, its chain with the scenario's gradient
-        bytes) in seconds (`chains_s` at 0 bytes and at the bytes keel.wire gives), cached per
-        membership shape."""
+    def reduction_chains(self, active_per_region: dict[str, int]) -> dict[str, dict[str, tuple[float, float]]]:
+        """Per active region r and region s: (the latency part of r's chain to s, that chain
+        with the scenario's gradient bytes) in seconds (`chain_ends_s` at 0 bytes and at the
+        bytes keel.wire gives; -inf where r's chain never reaches s), cached per membership
+        shape. r's chain (`chains_s`) is the largest over s."""
         shape = tuple((r, n) for r in self.region_names if (n := active_per_region.get(r, 0)) > 0)
         got = self._chain_cache.get(shape)
         if got is None:
             rounds = wire.scenario_rounds(self.scenario)
-            zero, full = self.chains_s(dict(shape), [(0.0, x) for _, x in rounds]), self.chains_s(dict(shape), rounds)
-            got = self._chain_cache[shape] = {r: (zero[r], full[r]) for r in full}
+            zero = self.chain_ends_s(dict(shape), [(0.0, x) for _, x in rounds])
+            full = self.chain_ends_s(dict(shape), rounds)
+            got = self._chain_cache[shape] = {r: {s: (zero[r][s], full[r][s]) for s in full[r]} for r in full}
         return got
 
     def nonfinite_skip_s(self, active_per_region: dict[str, int]) -> tuple[float, float]:

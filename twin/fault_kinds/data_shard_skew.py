@@ -40,6 +40,7 @@ def step_done(sim: Simulation) -> None:
     quarantined (absorb: resampled, the episode over; checkpoint_restart: then the job
     restarts), or the run fails where policy.quarantine is false."""
     fids, sim.nan_pending = sim.nan_pending, []
+    sim.warm = False  # every worker waits for the quarantine, then redoes the step together
     for fid in fids:
         info = sim.faults.info[fid]
         sim.emit_episode("detect", fid, non_finite_step=sim.committed + 1)
