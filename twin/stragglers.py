@@ -170,7 +170,8 @@ class Stragglers:
         sim.emit_episode("reslot", fid, slots=sum(k for _, _, k in plan), to=[f"{n}:{k}" for n, k in receivers])
         takeover = self.params.spare_takeover_s if spares else 0.0
         formed = self.params.reform_s + takeover
-        yield from sim.wait(formed + self.cost.drain_s(inflight, sim.env.now + formed) + self.cost.transfer_s(receivers),
+        behind = [(n, k) for n, k in receivers if n in sp.spare_receivers]  # members hold the state
+        yield from sim.wait(formed + self.cost.drain_s(inflight, sim.env.now + formed) + self.cost.transfer_s(behind),
                             "paused")
         sim.new_generation()
 
@@ -219,8 +220,9 @@ class Stragglers:
         back = [(n, k) for n, k in merge(back) if k > 0]
         sim.emit_episode("reslot", fid, back=True, to=[f"{n}:{k}" for n, k in back])
         # a returning straggler is behind: the runtime sends it the whole state, not a slot's share
+        # (and nothing to the members that take slots: they hold it)
         homes = {frm for frm, _, _ in sp.moves}
-        copy = [(n, c.slot_count if n in homes else k) for n, k in back]
+        copy = [(n, c.slot_count) for n, _ in back if n in homes]
         formed = self.params.reform_s
         yield from sim.wait(formed + self.cost.drain_s(inflight, sim.env.now + formed) + self.cost.transfer_s(copy),
                             "paused")
