@@ -39,8 +39,10 @@ clean:
 
 # Issue 25: keel validate (emulated) over N members of a seeded family of scenarios; writes
 # runs/validate-sweep/seed-SEED/ (sweep.md, sweep.json, sweep.svg, failing/ to replay).
+# SWEEP_ARGS=--resume keeps the members a stopped sweep finished and runs the rest.
 N    ?= 30
 SEED ?= 1
+SWEEP_ARGS ?=
 .PHONY: validate-sweep
 validate-sweep: $(STAMP)
-	$(BIN)/python bench/validate_sweep.py $(N) --seed $(SEED) --quick
+	$(BIN)/python bench/validate_sweep.py $(N) --seed $(SEED) --quick $(SWEEP_ARGS)
