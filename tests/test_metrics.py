@@ -104,7 +104,8 @@ def test_pace_estimators():
     assert metrics.mean_step_s_after_warmup(ev, warmup=0) == pytest.approx((ev[-1].t - ev[1].t) / 5)
     full = [(7, 0.3), (7, 0.2), (5, 0.9), (7, 0.1), (7, 0.1), (7, 0.1)]
     assert metrics.median_full_membership_interval_s(full, 7) == pytest.approx(0.1)   # 5 at 7, past the first 2
-    assert metrics.median_full_membership_interval_s(full[:3], 7) == pytest.approx(0.3)  # too few at 7: all 3
+    assert metrics.median_full_membership_interval_s(full[:3], 7) == pytest.approx(0.25)  # the 2 at 7
+    assert metrics.median_full_membership_interval_s([(5, 0.9), (5, 0.7), (5, 0.8)], 7) == pytest.approx(0.8)  # none
     assert metrics.median_full_membership_interval_s([], 7) is None
 
 
