@@ -103,7 +103,7 @@ class StepCost:
         run on settle to the max-plus cycle mean of (a region's slowest compute + its chain to
         each region) (twin/steps.py `max_cycle_mean`), below the step from a common start,
         max over regions of compute + chain (sweep member 1/6: 1.41 s against 1.53 s; the
-        emulation ran 1.44 s). Without jitter: the draws keep theirs."""
+        emulation ran 1.44 s). Taken without the compute jitter, which the draws keep."""
         if len(ends) < 2:
             return 0.0
         compute: dict[str, float] = {}
