@@ -2,7 +2,7 @@
 members of a seeded family of scenarios the twin was never tuned on (planner/scenario_gen.py).
 
     .venv/bin/python bench/validate_sweep.py N [--seed S] [--max-nodes M] [--out runs/validate-sweep]
-        [--quick] [--timeout S] [--svg FILE] [--json] [--again | --resume]
+        [--quick] [--timeout S] [--svg FILE] [--json] [--again [--rejudge] | --resume]
     make validate-sweep [N=30] [SEED=1]
 
 Each member is written to OUT/scenarios/NAME.toml (its features in a comment) and validated by
@@ -18,7 +18,9 @@ feature of the scenarios (so a failure points at the twin's weak spot), a plot o
 against observed downtime of every fault, and every member that did not pass copied to
 OUT/failing/ to replay (`keel validate OUT/failing/NAME.toml`). Writes OUT/sweep.json and
 OUT/sweep.md; `--again` runs nothing and reports the members already in OUT/members.jsonl;
-`--resume` keeps those and runs the rest (a sweep stopped part way, the members it finished kept).
+`--resume` keeps those and runs the rest (a sweep stopped part way, the members it finished kept);
+`--again --rejudge` judges the stored repetitions again with the twin as it is now (a twin change
+measured on a whole sweep in a minute, bench/rejudge.py), keeping each verdict at run time.
 Progress goes to stderr: a bar on a terminal, a line now and then otherwise.
 """
 from __future__ import annotations
@@ -99,6 +101,21 @@ def run_member(seed: int, index: int, out: Path, max_nodes: int, quick: bool, ti
     return record
 
 
+def rejudged(vdir: Path, scenario_file: Path, stored: dict) -> dict:
+    """A member's stored repetitions judged by the twin as it is now (bench/rejudge.py), at the
+    time scale it ran at, with its own calibration; written to comparison-rejudged.json."""
+    from keel import scenario as S
+    from planner import validate as V
+    from rejudge import rejudge
+    scale = (stored.get("emulation") or [{}])[0].get("time_scale")
+    sc = V.prepare(S.load(scenario_file))
+    if scale is not None:
+        sc = sc.with_overrides({"emulation.time_scale": scale})
+    c = rejudge(sc, json.loads((vdir / "calibration.json").read_text()), vdir, 16)
+    (vdir / "comparison-rejudged.json").write_text(json.dumps(c, indent=1))
+    return c
+
+
 def judged(c: dict) -> dict:
     """What the report keeps of a comparison.json."""
     return {"downtime_median_rel_err": c["downtime_median_rel_err"], "wall_rel_err": c["wall_s"]["rel_err"],
@@ -156,7 +173,9 @@ def markdown(records: list[dict], s: dict) -> str:
     for r in records:
         worst = max((f["downtime_rel_err"] for f in r.get("faults", [])), default=None)
         faults = ", ".join(r["features"]["faults"])
-        lines.append(f"| {r['name']} | {r['verdict']} | {r['time_scale'] or '-'} | "
+        at_run = r.get("verdict_at_run", r["verdict"])
+        verdict = r["verdict"] if at_run == r["verdict"] else f"{r['verdict']} ({at_run} at run time)"
+        lines.append(f"| {r['name']} | {verdict} | {r['time_scale'] or '-'} | "
                      f"{_pct(r.get('downtime_median_rel_err'))} | {_pct(worst)} | {_pct(r.get('wall_rel_err'))} | "
                      f"{_pct(r.get('step_rel_err'))} | {faults} | {r['seconds']:.0f} s |")
     lines += ["", "| fault class | faults | within fault_rel_tol | downtime error: median (max) |", "|---|---|---|---|"]
@@ -196,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--svg", default=None, help="the plot (default OUT/sweep.svg)")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     ap.add_argument("--again", action="store_true", help="run nothing: report OUT/members.jsonl")
+    ap.add_argument("--rejudge", action="store_true",
+                    help="with --again: judge the members' stored repetitions again with the twin as it is now "
+                         "(bench/rejudge.py; OUT/NAME/comparison-rejudged.json), the verdict at run time kept")
     ap.add_argument("--resume", action="store_true",
                     help="keep the members OUT/members.jsonl already has (a sweep stopped part way) and run the rest")
     args = ap.parse_args(argv)
@@ -210,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in records:
             comparison = out / r["name"] / "comparison.json"
             if r["verdict"] in ("pass", "fail") and comparison.exists():
-                r.update(judged(json.loads(comparison.read_text())))
+                c = rejudged(out / r["name"], out / "scenarios" / f"{r['name']}.toml", json.loads(comparison.read_text())) if args.rejudge \
+                    else json.loads(comparison.read_text())
+                r.setdefault("verdict_at_run", r["verdict"])
+                r["verdict"] = "pass" if c["pass"]["all"] else "fail"
+                r.update(judged(c))
     else:
         kept = {}
         if args.resume and log.exists():  # a member's record is written once it is over: those are whole
