@@ -27,6 +27,12 @@ from keel.rundir import read_events, read_summary  # noqa: E402
 from planner import validate as V  # noqa: E402
 
 
+def as_run(scenario: S.Scenario, stored: dict) -> S.Scenario:
+    """`scenario` (prepared) at the time scale the stored validation `stored` ran at."""
+    scale = (stored.get("emulation") or [{}])[0].get("time_scale")
+    return scenario if scale is None else scenario.with_overrides({"emulation.time_scale": scale})
+
+
 def rejudge(scenario: S.Scenario, calibration: dict, out: Path, replicas: int) -> dict:
     reps = sorted((out / "runtime").glob("rep-*"), key=lambda p: int(p.name[4:]))
     observed = [V.observation(read_summary(r), read_events(r)) for r in reps]
@@ -48,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     passed = [0, 0, 0]  # before, now, judged
     for d in args.dirs:
         before = json.loads((d / "comparison.json").read_text())
-        stored_scale = (before.get("emulation") or [{}])[0].get("time_scale")
-        sc = scenario if stored_scale is None else scenario.with_overrides({"emulation.time_scale": stored_scale})
+        sc = as_run(scenario, before)
         if sc.config_hash() != before["config_hash"]:
             print(f"{d}: skipped: it ran another configuration (config_hash {before['config_hash'][:12]}, "
                   f"{args.scenario} gives {sc.config_hash()[:12]})")

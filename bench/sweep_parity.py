@@ -22,6 +22,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from keel import wire  # noqa: E402
 from planner.scenario_gen import generate  # noqa: E402
 from test_emulation import _emulated_collective_s  # noqa: E402
+from twin.model import Simulation  # noqa: E402
+from twin.params import TwinParams  # noqa: E402
 from twin.topology import Topology  # noqa: E402
 
 
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=30)
     ap.add_argument("--max-nodes", type=int, default=40)
     args = ap.parse_args(argv)
-    reduction, spikes = [], []
+    reduction, spikes, overlap = [], [], []
     for i in range(args.n):
         sc, features = generate(args.seed, i, args.max_nodes)
         members = sc.node_names[: sc.training_nodes]
@@ -44,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         reduction.append(abs(twin - emulated) / emulated)
         print(f"{args.seed}/{i} {sc.total_nodes} nodes, {len(active)} regions, {features['mesh']}: reduction "
               f"emulated {emulated:.3f} s, twin {twin:.3f} s ({(twin - emulated) / emulated:+.1%})")
+        shape = Simulation(sc, TwinParams.from_scenario(sc), 1).cost.current_shape()
+        cold = shape.expected_s() + shape.overlap_s
+        overlap.append(shape.overlap_s / cold)
+        print(f"    step from a common start {cold:.3f} s, steps that run on {shape.expected_s():.3f} s "
+              f"({-shape.overlap_s / cold:+.1%})")
         for e in sc.faults.schedule:
             if e.class_ != "network_jitter" or ("/" in e.target and e.target not in members):
                 continue
@@ -54,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    spike {s:.3f} s on {e.target}: delay emulated {em:.3f} s, twin {tw:.3f} s")
     print(f"reduction: median |error| {statistics.median(reduction):.1%}, within 5 %: "
           f"{sum(x <= 0.05 for x in reduction)} of {len(reduction)}")
+    print(f"steps that run on: {sum(x >= 0.05 for x in overlap)} of {len(overlap)} members 5 % or more below "
+          f"the step from a common start (the twin's step until 6 Dec), largest {max(overlap):.1%}")
     if spikes:
         print(f"spikes: median |error| {statistics.median(spikes):.1%}, within 6 %: "
               f"{sum(x <= 0.06 for x in spikes)} of {len(spikes)}")

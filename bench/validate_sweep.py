@@ -106,11 +106,8 @@ def rejudged(vdir: Path, scenario_file: Path, stored: dict) -> dict:
     time scale it ran at, with its own calibration; written to comparison-rejudged.json."""
     from keel import scenario as S
     from planner import validate as V
-    from rejudge import rejudge
-    scale = (stored.get("emulation") or [{}])[0].get("time_scale")
-    sc = V.prepare(S.load(scenario_file))
-    if scale is not None:
-        sc = sc.with_overrides({"emulation.time_scale": scale})
+    from rejudge import as_run, rejudge
+    sc = as_run(V.prepare(S.load(scenario_file)), stored)
     c = rejudge(sc, json.loads((vdir / "calibration.json").read_text()), vdir, 16)
     (vdir / "comparison-rejudged.json").write_text(json.dumps(c, indent=1))
     return c

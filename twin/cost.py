@@ -160,6 +160,11 @@ class StepCost:
         """Each slot holder's compute of one step now: slots x slot_compute_s / speed."""
         return {n.name: n.slots * self.params.slot_compute_s / n.speed for n in self.cluster.active() if n.slots > 0}
 
+    def reformed_s(self, inflight: tuple[float, dict[str, float]] | None, now: float, formed_s: float) -> float:
+        """The pause before the redone step of a generation formed `formed_s` after `now`: that,
+        and what the compute in flight adds to it (`drain_s`)."""
+        return formed_s + self.drain_s(inflight, now + formed_s)
+
     def drain_s(self, inflight: tuple[float, dict[str, float]] | None, formed_at: float) -> float:
         """What the compute in flight adds to a recovery whose group is formed at `formed_at`
         (issue 25): a worker learns of an abort only at its collective, so it first finishes

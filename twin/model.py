@@ -345,7 +345,7 @@ class Simulation(CoordinatorLossMixin):
         # survivors hold the state already: only a spare taking over needs a copy of it
         behind = [(name, k) for name, k in receivers if name == spare]
         formed = self.params.reform_s + takeover
-        self.recovery_s = max(self.recovery_s, formed + self.cost.drain_s(self.inflight, self.env.now + formed)
+        self.recovery_s = max(self.recovery_s, self.cost.reformed_s(self.inflight, self.env.now, formed)
                               + self.cost.transfer_s(behind))
         self.emit_episode("reslot", fid, slots=lost, to=[f"{name}:{k}" for name, k in receivers])
 

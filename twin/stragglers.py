@@ -171,7 +171,7 @@ class Stragglers:
         takeover = self.params.spare_takeover_s if spares else 0.0
         formed = self.params.reform_s + takeover
         behind = [(n, k) for n, k in receivers if n in sp.spare_receivers]  # members hold the state
-        yield from sim.wait(formed + self.cost.drain_s(inflight, sim.env.now + formed) + self.cost.transfer_s(behind),
+        yield from sim.wait(self.cost.reformed_s(inflight, sim.env.now, formed) + self.cost.transfer_s(behind),
                             "paused")
         sim.new_generation()
 
@@ -224,7 +224,7 @@ class Stragglers:
         homes = {frm for frm, _, _ in sp.moves}
         copy = [(n, c.slot_count) for n, _ in back if n in homes]
         formed = self.params.reform_s
-        yield from sim.wait(formed + self.cost.drain_s(inflight, sim.env.now + formed) + self.cost.transfer_s(copy),
+        yield from sim.wait(self.cost.reformed_s(inflight, sim.env.now, formed) + self.cost.transfer_s(copy),
                             "paused")
         sim.new_generation()
         sim.emit_episode("recover_end", fid)

@@ -181,7 +181,7 @@ class Topology:
         """`chains_s` per region the chain ends in: [r][s] is when region s has the result if
         r's nodes start at 0 and every other region's are already there (-inf where none
         reaches s). A region starts its next step as soon as it has its own result, so the
-        steps' period is the max-plus cycle mean of compute + this matrix (`pipelined_period`)."""
+        steps' period is the max-plus cycle mean of compute + this matrix (StepCost._overlap_s)."""
         rounds = [(float(nbytes), False)] if isinstance(nbytes, (int, float)) else list(nbytes)
         shape = {r: n for r, n in active.items() if n > 0}
         if sum(shape.values()) <= 1:

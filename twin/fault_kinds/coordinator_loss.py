@@ -95,8 +95,7 @@ class CoordinatorLossMixin:
                 self._append_step(self.env.now, self.committed, self.committed_when_held)
             self.hold_from, self.held = None, False
         self.awaiting_recovery.append(fid)
-        self.recovery_s = max(self.recovery_s, self.params.reform_s  # then the compute in flight, finished first
-                              + self.cost.drain_s(self.inflight, self.env.now + self.params.reform_s))
+        self.recovery_s = max(self.recovery_s, self.cost.reformed_s(self.inflight, self.env.now, self.params.reform_s))
 
     def _failover_done(self, fid: int) -> None:
         """A failover's new generation is formed: its recover_end comes just before the next
