@@ -31,6 +31,7 @@ FAULT_GAP_STEPS = 5      # steps between two scheduled faults: one episode is ov
 LEAD_STEPS = 6           # fault-free steps before the first fault: the runtime takes its pace from at
                          # least 3 full-membership intervals after 2 of warm-up (keel.metrics)
 TAIL_STEPS = 4           # steps after the last fault
+SHARD_MISS = 1e-3        # the most likely a step misses a given shard (`data_shards`)
 
 
 def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
@@ -117,7 +118,9 @@ class _Draw:
         return {"target": target, "spike_ms": spike_ms, "duration_s": duration}, label
 
     def nan_shard(self) -> tuple[dict[str, Any], str]:
-        return {"target": f"shard/{self.rng.randrange(16)}"}, "NaN shard"
+        """A shard yields NaN; which one is settled once the data set's shard count is
+        (`_nan_targets`): here only the draw."""
+        return {"shard_draw": self.rng.randrange(16)}, "NaN shard"
 
     def coordinator(self) -> tuple[dict[str, Any], str]:
         return {"target": "coordinator"}, "coordinator lost"
@@ -151,6 +154,26 @@ def _schedule(rng: random.Random, regions: list[dict[str, Any]], spares: int, tr
     return events, labels
 
 
+def data_shards(samples: int, nan_faults: int) -> int:
+    """The member's `data.shards`: the most (up to 16) at which a step of `samples` samples,
+    each drawn uniformly over the live shards (runtime/data.Sampler), misses a given one with
+    probability at most SHARD_MISS, so that a NaN shard strikes the step the schedule names,
+    as on a cluster, where a step's thousands of samples read every shard (the twin takes the
+    step in flight, twin/fault_kinds/data_shard_skew.py). With 16 shards and 4-6 slots of 4
+    samples the step in flight missed the shard 1 time in 3 to 5 (sweep members 1/13 and 1/15,
+    6 Dec). Each NaN fault quarantines a shard: one is left after the last."""
+    fits = max([s for s in range(2, 17) if (1 - 1 / s) ** samples <= SHARD_MISS], default=2)
+    return max(fits, nan_faults + 1)
+
+
+def _nan_targets(events: list[dict[str, Any]], shards: int) -> None:
+    """Each NaN fault's shard: its draw among the shards no earlier one quarantined."""
+    live = list(range(shards))
+    for e in events:
+        if "shard_draw" in e:
+            e["target"] = f"shard/{live.pop(e.pop('shard_draw') % len(live))}"
+
+
 def generate(seed: int, index: int, max_nodes: int = 40) -> tuple[Scenario, dict[str, Any]]:
     """Member `index` of family `seed`: the scenario and its features (labels for the report)."""
     raw, features = draw(seed, index, max_nodes)
@@ -173,6 +196,9 @@ def draw(seed: int, index: int, max_nodes: int = 40) -> tuple[dict[str, Any], di
     node_names = [f"{r['name']}/{i}" for r in regions for i in range(r["nodes"])]
     training = node_names[:total - spares]
     events, labels = _schedule(rng, regions, spares, training, step_s)
+    micro_batch = 4
+    shards = data_shards(len(training) * micro_batch, sum("shard_draw" in e for e in events))
+    _nan_targets(events, shards)
     steps = LEAD_STEPS + FAULT_GAP_STEPS * (len(events) - 1) + TAIL_STEPS
     detect = rng.choice((1.0, 2.0, 5.0))
     policy_kind = "checkpoint_restart" if rng.random() < 0.3 else "absorb"
@@ -180,7 +206,7 @@ def draw(seed: int, index: int, max_nodes: int = 40) -> tuple[dict[str, Any], di
     raw = {
         "run": {"name": f"sweep-{seed}-{index}", "seed": seed * 1000 + index, "steps": steps},
         "workload": {"step_compute_s": step_s, "params": params, "gradient_dtype": rng.choice(("bf16", "float32")),
-                     "slots": len(training), "micro_batch": 4, "compute_jitter": rng.choice((0.0, 0.02, 0.05))},
+                     "slots": len(training), "micro_batch": micro_batch, "compute_jitter": rng.choice((0.0, 0.02, 0.05))},
         "checkpoint": {"interval_steps": rng.randint(3, 6), "mode": mode, "weights_bytes": 2 * params,
                        "optimizer_bytes": 12 * params, "write_gbyte_s": _sig(_log_uniform(rng, 1.0, 10.0)),
                        "read_gbyte_s": _sig(_log_uniform(rng, 2.0, 20.0)), "snapshot_gbyte_s": 25.0, "keep": 2},
@@ -192,7 +218,7 @@ def draw(seed: int, index: int, max_nodes: int = 40) -> tuple[dict[str, Any], di
                    "hot_spares": spares, "restart_s": _sig(rng.uniform(5.0, 30.0)), "replace_node_s": 0.0,
                    "straggler_factor": rng.choice((1.3, 1.5, 2.0)), "straggler_window": rng.choice((1, 2, 3))},
         "model": {"d_model": 64, "layers": 2, "heads": 4, "context": 64},
-        "data": {"shards": 16},
+        "data": {"shards": shards},
         "emulation": {"time_scale": "auto"},
         "validate": {"repetitions": 2, "steps": steps},
     }
