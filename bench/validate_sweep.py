@@ -14,8 +14,9 @@ measured here first; `--quick`: the calibration's quick mode). A member's verdic
 - refused: refused before anything ran (exit 2: this machine cannot run it faithfully);
 - error: the runtime or the calibration failed (exit 1 without a comparison).
 The report: the pass rate over the judged members, the downtime error per fault class and per
-feature of the scenarios (so a failure points at the twin's weak spot), a plot of predicted
-against observed downtime of every fault, and every member that did not pass copied to
+feature of the scenarios (so a failure points at the twin's weak spot), where the time went
+(calibration, runtime repetitions, the rest), a plot of predicted against observed downtime of
+every fault, and every member that did not pass copied to
 OUT/failing/ to replay (`keel validate OUT/failing/NAME.toml`). Writes OUT/sweep.json and
 OUT/sweep.md; `--again` runs nothing and reports the members already in OUT/members.jsonl;
 `--resume` keeps those and runs the rest (a sweep stopped part way, the members it finished kept);
@@ -95,6 +96,7 @@ def run_member(seed: int, index: int, out: Path, max_nodes: int, quick: bool, ti
               "reason": last}
     if c:
         record.update(judged(c))
+    record["time"] = time_parts(vdir, seconds)
     if verdict != "pass":
         (out / "failing").mkdir(exist_ok=True)
         shutil.copy(path, out / "failing" / path.name)
@@ -113,6 +115,21 @@ def rejudged(vdir: Path, scenario_file: Path, stored: dict) -> dict:
     return c
 
 
+def time_parts(vdir: Path, seconds: float) -> dict | None:
+    """Where a member's `seconds` went, from what its validation wrote: the calibration's runs
+    (calibration.json's own duration_s), the runtime repetitions (from the calibration's write
+    to the last repetition's summary), and the rest (the time scale's probe, the twin, the
+    processes' start). None where the validation ran no repetition."""
+    cal = vdir / "calibration.json"
+    reps = list((vdir / "runtime").glob("rep-*/summary.json"))
+    if not (cal.exists() and reps):
+        return None
+    calibration = float(json.loads(cal.read_text()).get("duration_s") or 0.0)
+    repetitions = max(p.stat().st_mtime for p in reps) - cal.stat().st_mtime
+    return {"calibration_s": round(calibration, 1), "repetitions_s": round(repetitions, 1),
+            "other_s": round(max(0.0, seconds - calibration - repetitions), 1)}
+
+
 def judged(c: dict) -> dict:
     """What the report keeps of a comparison.json."""
     return {"downtime_median_rel_err": c["downtime_median_rel_err"], "wall_rel_err": c["wall_s"]["rel_err"],
@@ -127,6 +144,16 @@ def judged(c: dict) -> dict:
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
+
+
+def _parts(s: dict) -> str:
+    t = s["time_parts"]
+    whole = t["calibration_s"] + t["repetitions_s"] + t["other_s"]
+    if not t["members"] or whole <= 0:
+        return ""
+    return (f"; of the {t['members']} members timed part by part: calibration {t['calibration_s'] / whole:.0%}, "
+            f"runtime repetitions {t['repetitions_s'] / whole:.0%}, the rest (probe, twin, start-up) "
+            f"{t['other_s'] / whole:.0%}")
 
 
 def _stats(xs: list[float]) -> str:
@@ -146,8 +173,12 @@ def summarise(records: list[dict], seed: int) -> dict:
         for key, value in r["features"].items():
             for v in (value if isinstance(value, list) else [value]):
                 by_feature.setdefault(key, {}).setdefault(v, []).append(r)
+    timed = [r["time"] for r in records if r.get("time")]
+    spent = {k: sum(t[k] for t in timed) for k in ("calibration_s", "repetitions_s", "other_s")}
     return {
         "seed": seed, "members": len(records), "counts": counts,
+        "seconds": round(sum(r["seconds"] for r in records), 1),
+        "time_parts": {"members": len(timed), **{k: round(v, 1) for k, v in spent.items()}},
         "pass_rate": counts["pass"] / len(judged) if judged else None,
         "by_class": {k: {"faults": len(v), "within_tolerance": sum(ok for _, ok in v),
                          "median_rel_err": statistics.median(e for e, _ in v), "max_rel_err": max(e for e, _ in v)}
@@ -161,10 +192,17 @@ def summarise(records: list[dict], seed: int) -> dict:
     }
 
 
+def _time(r: dict) -> str:
+    t = r.get("time")
+    return f"{r['seconds']:.0f} s" + (f" (calibration {t['calibration_s']:.0f}, repetitions {t['repetitions_s']:.0f})"
+                                      if t else "")
+
+
 def markdown(records: list[dict], s: dict) -> str:
     lines = [f"# Validation sweep: seed {s['seed']}, {s['members']} members", "",
              "verdicts: " + ", ".join(f"{v} {n}" for v, n in s["counts"].items()),
-             f"pass rate over the judged members: {_pct(s['pass_rate'])}", "",
+             f"pass rate over the judged members: {_pct(s['pass_rate'])}",
+             f"time: {s['seconds'] / 60:.0f} min ({s['seconds'] / max(1, s['members']):.0f} s a member)" + _parts(s), "",
              "| member | verdict | time scale | downtime median error | worst fault | wall | fault-free step | faults | time |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
@@ -174,7 +212,7 @@ def markdown(records: list[dict], s: dict) -> str:
         verdict = r["verdict"] if at_run == r["verdict"] else f"{r['verdict']} ({at_run} at run time)"
         lines.append(f"| {r['name']} | {verdict} | {r['time_scale'] or '-'} | "
                      f"{_pct(r.get('downtime_median_rel_err'))} | {_pct(worst)} | {_pct(r.get('wall_rel_err'))} | "
-                     f"{_pct(r.get('step_rel_err'))} | {faults} | {r['seconds']:.0f} s |")
+                     f"{_pct(r.get('step_rel_err'))} | {faults} | {_time(r)} |")
     lines += ["", "| fault class | faults | within fault_rel_tol | downtime error: median (max) |", "|---|---|---|---|"]
     for k, v in s["by_class"].items():
         lines.append(f"| {k} | {v['faults']} | {v['within_tolerance']} | {_pct(v['median_rel_err'])} "
@@ -231,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             if r["verdict"] in ("pass", "fail") and comparison.exists():
                 c = rejudged(out / r["name"], out / "scenarios" / f"{r['name']}.toml", json.loads(comparison.read_text())) if args.rejudge \
                     else json.loads(comparison.read_text())
+                r.setdefault("time", time_parts(out / r["name"], r["seconds"]))
                 r.setdefault("verdict_at_run", r["verdict"])
                 r["verdict"] = "pass" if c["pass"]["all"] else "fail"
                 r.update(judged(c))

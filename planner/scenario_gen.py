@@ -7,7 +7,8 @@ and latencies over two orders of magnitude, fast and slow steps, a node or a reg
 a short or a long time, crashes taken by a hot spare and crashes after the spares are used up,
 part of a region or all of it lost, NaN shards, the coordinator lost, sync and async
 checkpoints inside the window, both policies, several detection timeouts and straggler
-settings. Each member is checked like a loaded file (keel.scenario_load.from_dict) and comes
+settings. A member's data set has as few shards as make a step read every one (`data_shards`).
+Each member is checked like a loaded file (keel.scenario_load.from_dict) and comes
 with its `features`, the labels the sweep's report groups errors by.
 
 What the family leaves out, and why: one region (the calibration loses the last region whole,

@@ -39,7 +39,7 @@ class Checkpoints:
             yield from self.take()
             return True
         if self.writer is not None and self.writer.is_alive:
-            yield from self.sim.wait(self.writer, "paused")
+            yield from self.sim.wait(self.writer, "checkpoint")
             return True
         return False
 
@@ -52,22 +52,21 @@ class Checkpoints:
         """Checkpoint the committed steps (inside the trainer process)."""
         sim = self.sim
         if self.writer is not None and self.writer.is_alive:
-            done = yield from sim.wait(self.writer, "paused")  # the previous write first
+            done = yield from sim.wait(self.writer, "checkpoint")  # the previous write first
             if not done:
                 return
         step = sim.committed
         mode = self.config.mode
         sim.emit("checkpoint_start", mode=mode)
+        self.attempted = step  # once: a write broken off is not taken again (nor by the runtime)
         if mode == "sync":
-            done = yield from sim.wait(self.cost.share_s(self.params.ckpt_write_gbyte_s), "paused")
+            done = yield from sim.wait(self.cost.share_s(self.params.ckpt_write_gbyte_s), "checkpoint")
             if done:
-                self.attempted = step
                 self.step = step
                 sim.emit("checkpoint_end", checkpoint_step=step)
         else:
-            done = yield from sim.wait(self.cost.share_s(self.params.ckpt_snapshot_gbyte_s), "paused")
+            done = yield from sim.wait(self.cost.share_s(self.params.ckpt_snapshot_gbyte_s), "checkpoint")
             if done:
-                self.attempted = step
                 self.writer = self.env.process(self._write(step, self.cost.share_s(self.params.ckpt_write_gbyte_s)))
 
     def _write(self, step: int, duration: float) -> Generator:

@@ -32,11 +32,15 @@ DAY = 86400.0
 @dataclass(frozen=True, slots=True)
 class Cause:
     """Something the trainer must react to. `interrupts_run`: it changes the steps in flight;
-    `aborts_pause`: it breaks a recovery, restart or checkpoint pause too."""
+    `aborts_pause`: it breaks a recovery or restart pause too; `aborts_checkpoint`: it breaks
+    a checkpoint's pause: the job stops, or the writer is lost (every node holds the whole
+    state and the lowest rank writes it, as in the runtime: another node's loss does not stop
+    the write)."""
     kind: str               # loss | detected | spike_start | spike_end | nan | rejoin | coordinator_(down|up)
     fault_id: int | None = None
     interrupts_run: bool = False
     aborts_pause: bool = False
+    aborts_checkpoint: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,8 @@ class Faults:
         if not holding:
             detail["idle"] = True
         self.sim.emit_episode("fault", fid, **detail)
+        # the checkpoint's writer, the runtime's lowest rank (each node holds the whole state)
+        writer = next((n for n in self.cluster.order if n.up and n.slots > 0), None)
         for n in nodes:
             self.cluster.update(n, up=False, role=None if n.role == "train" else "down")
             if repair_s is not None:
@@ -133,7 +139,8 @@ class Faults:
             else:
                 delay = self._detect_delay(detect_mean_s)
             self.env.process(self._detector(fid, delay))
-            self.sim.notify(Cause("loss", fid, interrupts_run=True, aborts_pause=True))
+            self.sim.notify(Cause("loss", fid, interrupts_run=True, aborts_pause=True,
+                                  aborts_checkpoint=writer in nodes))
 
     # ------------------------------------------------------------------ after a fault
     def _detect_delay(self, mean: float) -> float:

@@ -52,20 +52,27 @@ Semantics (docs/design.md for step numbering and fault ids):
   dead nodes replaced by hot spares (else by a new node, + replace_node_s), a pause of
   restart_s + checkpoint load (per-node share / read bandwidth), and the steps since the last
   complete checkpoint recomputed. Faults strike during the restart (it starts over, and counts
-  again) and during checkpoints (an unfinished checkpoint is lost). Latency spikes are endured.
+  again); a checkpoint's pause goes on unless its writer is lost, its background write is
+  lost. Latency spikes are endured.
 - Failed nodes come back after repair_hours as spares; under absorb a rejoining spare takes
   slots from overloaded nodes (a `reslot` with no fault) when the cluster is below its
   healthy layout. Replaced nodes (checkpoint_restart) do not come back twice.
 - Checkpoints at every multiple of interval_steps up to run.steps, bytes over the training nodes:
   `sync` pauses for the write, `async` for the snapshot, then writes in the background (a node
   fault aborts it); the next checkpoint and the run's end wait for that write (as the runtime's).
+  Only the loss of its writer (the lowest rank: every node holds the whole state) or a cause
+  that stops the job breaks a checkpoint's pause (`Cause.aborts_checkpoint`; a coordinator's
+  death under checkpoint_restart: it never confirmed the step, so that checkpoint is never
+  published, runtime/protocol.py).
 - Drawn faults: each class is a Poisson process in wall time with its own seeded stream, so
   two policies with one seed see the same arrival times. Hardware faults strike a uniformly
   drawn node at rate nodes / mtbf (thinned: a down node is skipped); jitter a uniformly drawn
   node (skipped when it holds no slots); rack loss a region drawn by node count and nodes
   drawn among its live ones; NaN a uniformly drawn shard. Scheduled faults strike when at_step
-  steps are committed, as step at_step + 1 starts (the runtime fires them at that commit); a
-  scheduled rack loss takes the region's first live nodes (keel.recovery.rack_victims).
+  steps are committed, as the runtime fires them at that commit: as the checkpoint due at that
+  step begins its pause (the runtime's writer starts at its step's end), else as step
+  at_step + 1 starts; a scheduled rack loss takes the region's first live nodes
+  (keel.recovery.rack_victims).
 - Step events: every segment's last commit, and around every other event the last commit
   before it and the first commit after it, so `keel.metrics.summarize` sees every episode's
   edges exactly while fault-free stretches stay sampled.
@@ -219,12 +226,13 @@ class Simulation(CoordinatorLossMixin):
             return
         state = self.trainer_state
         if (state == "stalled" or (state == "running" and cause.interrupts_run)
-                or (state == "paused" and cause.aborts_pause)):
+                or (state == "paused" and cause.aborts_pause)
+                or (state == "checkpoint" and cause.aborts_checkpoint)):
             self.interrupt_sent = True
             self.trainer.interrupt(cause.kind)
 
     def wait(self, duration: float | simpy.Event | None, state: str) -> Generator[Any, Any, bool]:
-        """The trainer waits (`state`: running | paused | stalled); False if interrupted."""
+        """The trainer waits (`state`: running | paused | checkpoint | stalled); False if interrupted."""
         self.trainer_state = state
         try:
             if duration is None:
@@ -280,6 +288,7 @@ class Simulation(CoordinatorLossMixin):
             elif self.rejoined:
                 yield from st.rebalance()
             elif self.checkpoints.due(self.committed):
+                self.faults.fire_scheduled_at(self.committed)  # they strike at the commit, as it begins
                 yield from self.checkpoints.take()
             else:
                 yield from self._segment(self._steps_to_boundary())

@@ -76,7 +76,8 @@ class CoordinatorLossMixin:
         under checkpoint_restart the job stops."""
         self.outages[fid] = self.env.now
         if not self.absorb:
-            self.notify(Cause("coordinator_down", fid, interrupts_run=True, aborts_pause=True))
+            self.notify(Cause("coordinator_down", fid, interrupts_run=True, aborts_pause=True,
+                              aborts_checkpoint=True))
         elif self.hold_from is None:
             self.hold_from = self.env.now
             self.committed_when_held = self.committed_now()
