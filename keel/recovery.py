@@ -267,3 +267,13 @@ def rack_victims(live_in_region: Sequence[str], count: int) -> list[str]:
     """The nodes a scheduled rack loss takes: the region's first `count` live nodes, in
     scenario order."""
     return list(live_in_region[:count])
+
+
+def relaunch_places(orphans: Sequence[str], free_spares: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """checkpoint_restart's relaunch starts the job again on machines that are up: each node
+    that held slots and whose machine is down (`orphans`, in scenario order) hands its place to
+    the next free spare (`free_spares`, up and idle, in scenario order); once they are used up,
+    a new machine takes its place under its name (policy.replace_node_s). Returns
+    {orphan: spare} and the orphans that new machines replace."""
+    taken = dict(zip(orphans, free_spares))
+    return taken, [n for n in orphans if n not in taken]

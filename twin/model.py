@@ -382,16 +382,16 @@ class Simulation(CoordinatorLossMixin):
         self.carry_s = None
         self.stragglers.clear()
         ckpt.abort("job stopped")
-        replaced = False
-        for n in [c.order[i] for i in sorted(c.orphans)]:
-            spares = c.spare_nodes(1)
-            if spares:
-                c.update(spares[0], role="train", slots=n.slots)
+        orphans = [c.order[i] for i in sorted(c.orphans)]
+        taken, new_machines = R.relaunch_places([n.name for n in orphans], [n.name for n in c.spare_nodes()])
+        for n in orphans:
+            if n.name in taken:
+                c.update(c.nodes[taken[n.name]], role="train", slots=n.slots)
                 c.update(n, slots=0, role="down")
             else:  # a new machine takes the dead one's place (its repair no longer matters)
                 n.incarnation += 1
                 c.update(n, up=True, role="train")
-                replaced = True
+        replaced = bool(new_machines)
         load_s = self.cost.share_s(self.params.ckpt_read_gbyte_s) if ckpt.step > 0 else 0.0
         duration = self.params.restart_s + (self.params.replace_node_s if replaced else 0.0) + load_s
         done = yield from self.wait(duration, "paused")

@@ -237,8 +237,15 @@ def restart(c: Coordinator, ep: Episode) -> None:
     # describes, absorbed by it as every emulated duration absorbs the real work it stands
     # for (issue 25: counted on top, it added 14 s to a 18.4 s relaunch at time scale 0.07)
     st.not_before = decided + c.policy.restart_s if c.emulated else 0.0
+    # the machines that are up: a node whose machine crashed (emulated) and held slots hands its
+    # place to a free spare, or a new machine takes it under its name, as the twin decides
+    down = {n for n in c.nodes if n in st.workers and st.workers[n].machine_down}
+    orphans = [n for n in c.nodes if n in down and n in st.slot_map]
+    free = [n for n in c.nodes[len(c.training):] if n not in down and n not in st.slot_map]
+    _, new_machines = R.relaunch_places(orphans, free)
     for n in c.nodes:
-        c.spawn(n, fresh_interpreter=not c.emulated)
+        if n not in down or n in new_machines:
+            c.spawn(n, fresh_interpreter=not c.emulated)
     ep.end_gen = st.gen + 1
     st.enter(Phase.JOINING)
     st.join_deadline = time.monotonic() + JOIN_TIMEOUT_S
