@@ -15,10 +15,12 @@ generation's first commit, with the runtime's detail: downtime_s (fault to then)
 0, ack_s (death to the successor up), reform_s (ack_s + the pause), state_s 0, redo_s (the
 redone step) and gen. Under checkpoint_restart the job stops at the death (what the
 workers train meanwhile is thrown away by the relaunch; a checkpoint that an async write
-finishes meanwhile still counts) and, once the successor is up, restarts (twin/model.py, `checkpoint_restart`). An
-episode open when the coordinator dies goes on as modelled (its commits are held too, so
-its downtime runs to the successor); a node fault during the outage too (simplified: in
-the runtime nobody re-forms the group until the successor is up).
+finishes meanwhile still counts, but not one of the step committed at the death, which the
+dead coordinator never confirmed: its pause is broken, `Cause.aborts_checkpoint`) and, once
+the successor is up, restarts (twin/model.py, `checkpoint_restart`). An episode open when
+the coordinator dies goes on as modelled (its commits are held too, so its downtime runs to
+the successor); a node fault during the outage too (simplified: in the runtime nobody
+re-forms the group until the successor is up).
 """
 from __future__ import annotations
 
