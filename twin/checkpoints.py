@@ -59,13 +59,22 @@ class Checkpoints:
         mode = self.config.mode
         sim.emit("checkpoint_start", mode=mode)
         self.attempted = step  # once: a write broken off is not taken again (nor by the runtime)
+        rate = self.params.ckpt_write_gbyte_s if mode == "sync" else self.params.ckpt_snapshot_gbyte_s
+        pause = self.cost.share_s(rate)
+        # what a fault in the pause finds in flight (StepCost.drain_s): the others started the
+        # next step's compute at their step reports, the writer starts it after the pause
+        compute = self.cost.compute_by_node()
+        writer = sim.cluster.writer()
+        if writer is not None and writer.name in compute:
+            compute[writer.name] += pause
+        sim.inflight = (self.env.now, compute)
         if mode == "sync":
-            done = yield from sim.wait(self.cost.share_s(self.params.ckpt_write_gbyte_s), "checkpoint")
+            done = yield from sim.wait(pause, "checkpoint")
             if done:
                 self.step = step
                 sim.emit("checkpoint_end", checkpoint_step=step)
         else:
-            done = yield from sim.wait(self.cost.share_s(self.params.ckpt_snapshot_gbyte_s), "checkpoint")
+            done = yield from sim.wait(pause, "checkpoint")
             if done:
                 self.writer = self.env.process(self._write(step, self.cost.share_s(self.params.ckpt_write_gbyte_s)))
 

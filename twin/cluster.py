@@ -81,6 +81,11 @@ class Cluster:
         """Up nodes in the job (holding slots or about to), in scenario order."""
         return [n for n in self.order if n.up and n.role == "train"]
 
+    def writer(self) -> Node | None:
+        """The node that writes a checkpoint: the runtime's lowest rank, the first up node
+        holding slots in scenario order (every node holds the whole state)."""
+        return next((n for n in self.order if n.up and n.slots > 0), None)
+
     def active_per_region(self, nodes: list[Node] | None = None) -> dict[str, int]:
         """Nodes holding slots per region (of `nodes`, or of the cluster now)."""
         if nodes is None:

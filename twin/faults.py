@@ -125,8 +125,7 @@ class Faults:
         if not holding:
             detail["idle"] = True
         self.sim.emit_episode("fault", fid, **detail)
-        # the checkpoint's writer, the runtime's lowest rank (each node holds the whole state)
-        writer = next((n for n in self.cluster.order if n.up and n.slots > 0), None)
+        writer = self.cluster.writer()
         for n in nodes:
             self.cluster.update(n, up=False, role=None if n.role == "train" else "down")
             if repair_s is not None:
