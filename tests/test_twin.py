@@ -607,6 +607,19 @@ def test_a_node_lost_during_a_sync_checkpoint_stops_it_only_if_it_writes(target,
         assert next(e for e in events if e.kind == "checkpoint_end").t == pytest.approx(12.62)  # the whole write
 
 
+@pytest.mark.parametrize("target, from_step", [("a/1", 5), ("a/0", 0)])
+def test_an_async_write_survives_a_node_lost_unless_it_writes(target, from_step):
+    """checkpoint_restart, a crash at an async checkpoint's commit: its 0.2 s write goes on and
+    is done when the restart comes at detection (3 s), unless the crashed node was its writer
+    (sweep member 2/1: the twin lost it to any node's crash and restarted six steps back, from
+    step 0; the runtime from step 6)."""
+    raw = tiny_with(**{"policy.kind": "checkpoint_restart", "policy.restart_s": 5.0, "checkpoint.mode": "async",
+                       "checkpoint.snapshot_gbyte_s": 20.0, "checkpoint.write_gbyte_s": 10.0,
+                       "faults.schedule": [{"at_step": 5, "class": "hardware_fault", "target": target}]})
+    restart = next(e for e in twin.simulate(scenario(raw)).events if e.kind == "restart")
+    assert restart.detail["from_step"] == from_step
+
+
 def test_async_checkpoint_stalls_only_for_the_snapshot():
     raw = tiny_with(**{"checkpoint.mode": "async", "checkpoint.snapshot_gbyte_s": 20.0,
                        "checkpoint.write_gbyte_s": 0.5, "faults.schedule": []})

@@ -1,8 +1,8 @@
 """Checkpoints: when one is due, the pause it costs the trainer (`sync`: the write; `async`:
-the snapshot) and the background write of an async one, which a node fault or a restart
-aborts. The next checkpoint waits for the previous write, and the run ends once its last
-checkpoint (the last step's, where one is due) is written. The bytes are spread over the nodes
-holding slots (twin/cost.py `share_s`).
+the snapshot) and the background write of an async one, which its writer's loss (the lowest
+rank: every node holds the whole state) or a restart aborts. The next checkpoint waits for
+the previous write, and the run ends once its last checkpoint (the last step's, where one is
+due) is written. The bytes are spread over the nodes holding slots (twin/cost.py `share_s`).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ class Checkpoints:
         self.step = 0          # the last complete checkpoint's step (0: none)
         self.attempted = 0     # the last step a checkpoint was taken at (its write may be running)
         self.writer: simpy.Process | None = None
+        self.writing_node: str | None = None  # the node writing it (the lowest rank when it was taken)
 
     def due(self, committed: int) -> bool:
         c = committed
@@ -47,6 +48,12 @@ class Checkpoints:
         """Interrupt the background write, if one is running: that checkpoint is lost."""
         if self.writer is not None and self.writer.is_alive:
             self.writer.interrupt(reason)
+
+    def nodes_lost(self, nodes: tuple[str, ...]) -> None:
+        """Nodes died: the background write is lost if its writer is one of them (every node
+        holds the whole state; another node's loss does not stop it, nor the runtime's)."""
+        if self.writing_node in nodes:
+            self.abort("its writer lost")
 
     def take(self) -> Generator:
         """Checkpoint the committed steps (inside the trainer process)."""
@@ -76,6 +83,7 @@ class Checkpoints:
         else:
             done = yield from sim.wait(pause, "checkpoint")
             if done:
+                self.writing_node = writer.name if writer is not None else None
                 self.writer = self.env.process(self._write(step, self.cost.share_s(self.params.ckpt_write_gbyte_s)))
 
     def _write(self, step: int, duration: float) -> Generator:

@@ -52,14 +52,14 @@ Semantics (docs/design.md for step numbering and fault ids):
   dead nodes replaced by hot spares (else by a new node, + replace_node_s), a pause of
   restart_s + checkpoint load (per-node share / read bandwidth), and the steps since the last
   complete checkpoint recomputed. Faults strike during the restart (it starts over, and counts
-  again); a checkpoint's pause goes on unless its writer is lost, its background write is
-  lost. Latency spikes are endured.
+  again); a checkpoint's pause and its background write go on unless its writer is lost.
+  Latency spikes are endured.
 - Failed nodes come back after repair_hours as spares; under absorb a rejoining spare takes
   slots from overloaded nodes (a `reslot` with no fault) when the cluster is below its
   healthy layout. Replaced nodes (checkpoint_restart) do not come back twice.
 - Checkpoints at every multiple of interval_steps up to run.steps, bytes over the training nodes:
-  `sync` pauses for the write, `async` for the snapshot, then writes in the background (a node
-  fault aborts it); the next checkpoint and the run's end wait for that write (as the runtime's).
+  `sync` pauses for the write, `async` for the snapshot, then writes in the background (its
+  writer's loss or a restart aborts it); the next checkpoint and the run's end wait for that write (as the runtime's).
   Only the loss of its writer (the lowest rank: every node holds the whole state) or a cause
   that stops the job breaks a checkpoint's pause (`Cause.aborts_checkpoint`; a coordinator's
   death under checkpoint_restart: it never confirmed the step, so that checkpoint is never
@@ -305,7 +305,7 @@ class Simulation(CoordinatorLossMixin):
         if cause.kind == "loss":
             self.carry_s = None  # the step in flight is lost
             self.undetected.add(fid)
-            self.checkpoints.abort("node lost")
+            self.checkpoints.nodes_lost(self.faults.info[fid].nodes)
         elif cause.kind == "detected":
             self.undetected.discard(fid)
             self._detected(fid)
