@@ -223,7 +223,11 @@ def test_every_page_in_a_real_browser(app_server, browser, tmp_path):
     # the newest of the demo's own runs (run/ here is a copy of the validation's first repetition)
     assert "Latest run: demo/simulate\n" in body or "Latest run: demo/run\n" in body
     assert "Latest validation: demo/validate" in body and "Latest plan: demo/plan" in body
-    cells = [c.strip() for c in json.loads(browser.evaluate(CELLS))]
+    # the table's cells can come after the page's text (a loaded machine: 6 Dec, in make test)
+    def table_rows() -> list[str] | None:
+        cells = [c.strip() for c in json.loads(browser.evaluate(CELLS))]
+        return cells if {"demo/validate", "\u21b3 twin"} <= set(cells) else None
+    cells = wait_until(table_rows, 60, "the runs table's rows")
     assert cells.index("demo/validate") < cells.index("\u21b3 twin")  # its parts under it
 
     browser.goto(f"{url}/topology")
