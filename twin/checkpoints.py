@@ -75,16 +75,14 @@ class Checkpoints:
         if writer is not None and writer.name in compute:
             compute[writer.name] += pause
         sim.inflight = (self.env.now, compute)
+        if not (yield from sim.wait(pause, "checkpoint")):
+            return
         if mode == "sync":
-            done = yield from sim.wait(pause, "checkpoint")
-            if done:
-                self.step = step
-                sim.emit("checkpoint_end", checkpoint_step=step)
+            self.step = step
+            sim.emit("checkpoint_end", checkpoint_step=step)
         else:
-            done = yield from sim.wait(pause, "checkpoint")
-            if done:
-                self.writing_node = writer.name if writer is not None else None
-                self.writer = self.env.process(self._write(step, self.cost.share_s(self.params.ckpt_write_gbyte_s)))
+            self.writing_node = writer.name if writer is not None else None
+            self.writer = self.env.process(self._write(step, self.cost.share_s(self.params.ckpt_write_gbyte_s)))
 
     def _write(self, step: int, duration: float) -> Generator:
         """The background write of an async checkpoint."""

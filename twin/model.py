@@ -58,12 +58,12 @@ Semantics (docs/design.md for step numbering and fault ids):
   slots from overloaded nodes (a `reslot` with no fault) when the cluster is below its
   healthy layout. Replaced nodes (checkpoint_restart) do not come back twice.
 - Checkpoints at every multiple of interval_steps up to run.steps, bytes over the training nodes:
-  `sync` pauses for the write, `async` for the snapshot, then writes in the background (its
-  writer's loss or a restart aborts it); the next checkpoint and the run's end wait for that write (as the runtime's).
-  Only the loss of its writer (the lowest rank: every node holds the whole state) or a cause
-  that stops the job breaks a checkpoint's pause (`Cause.aborts_checkpoint`; a coordinator's
-  death under checkpoint_restart: it never confirmed the step, so that checkpoint is never
-  published, runtime/protocol.py).
+  `sync` pauses for the write, `async` for the snapshot, then writes in the background; the
+  next checkpoint and the run's end wait for that write (as the runtime's). Only the loss of
+  its writer (the lowest rank: every node holds the whole state) or a cause that stops the job
+  breaks the pause or the write (`Cause.aborts_checkpoint`; a coordinator's death under
+  checkpoint_restart never confirmed the step, so that checkpoint is never published,
+  runtime/protocol.py).
 - Drawn faults: each class is a Poisson process in wall time with its own seeded stream, so
   two policies with one seed see the same arrival times. Hardware faults strike a uniformly
   drawn node at rate nodes / mtbf (thinned: a down node is skipped); jitter a uniformly drawn
