@@ -77,7 +77,11 @@ def min_time_scale(slot_s: float, step_compute_s: float, speed: float, workers: 
 # (local-8, 7 workers, 5 Dec: a 4-5 ms slot, yet 0.1-0.19 s of wall per step flat out). So the
 # emulated cluster itself is run briefly before the real run (runtime/capacity.py: a few
 # fault-free steps at a time scale no machine keeps, every step late), and the wall time its
-# steps take here, `probe_step_s`, is set against the wall time the scenario gives a step.
+# steps take here, `probe_step_s`, is set against the wall time the scenario gives a step: its
+# fault-free step as the emulation prices it, compute and reduction (a worker's real work runs
+# ahead of its emulated clock and waits only at the commit, runtime/emulation/node.py; until
+# issue 25's sweep it was the compute alone, which ran fast-step members with slow links at up
+# to 9 times the scale they needed).
 
 AUTO_HEADROOM = 1.5              # "auto" picks this much above the measured need: the machine's load moves
 SCALE_LADDER = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)  # "auto" picks from these x 10^k, so repeated picks agree
@@ -85,9 +89,9 @@ SCALE_LADDER = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)  # "auto" picks from these x 10^k,
 
 
 def step_floor_s(slots: int, step_compute_s: float, speeds: list[float]) -> float:
-    """A lower bound on the emulated cluster's fault-free step (emulated seconds): its slots'
-    compute spread over the training nodes at their speeds. The reduction only adds to it, so
-    a scale judged against it errs on the slow, faithful side."""
+    """A lower bound on the emulated cluster's fault-free compute (emulated seconds): its
+    slots' compute spread over the training nodes at their speeds (the slowest holder takes
+    at least that). runtime/capacity.emulated_step_floor_s adds the reduction."""
     return slots * step_compute_s / sum(speeds)
 
 
@@ -106,8 +110,8 @@ def probe_fits(time_scale: float, probe_step_s: float, floor_s: float, workers: 
     return (f"emulation.time_scale {time_scale:g} is faster than this machine keeps: a step of {workers} emulated "
             f"workers on {cores} cores takes {probe_step_s * 1000:.3g} ms of real work here (measured, a short "
             f"fault-free probe), and the scenario gives a step {floor_s * time_scale * 1000:.3g} ms of wall time "
-            f"(its compute alone); a faithful emulation needs time_scale >= {round_up_scale(need):g}; with "
-            f"headroom for this machine's load: --set emulation.time_scale={auto_time_scale(need):g} "
+            f"(a lower bound on its fault-free step); a faithful emulation needs time_scale >= "
+            f"{round_up_scale(need):g}; with headroom for this machine's load: --set emulation.time_scale={auto_time_scale(need):g} "
             f"(or emulation.time_scale = \"auto\")")
 
 
@@ -132,24 +136,29 @@ def relaunch_fits(time_scale: float, launch_s: float, restart_s: float, workers:
             f"{auto_time_scale(need):g}, or emulation.time_scale = \"auto\")")
 
 
-DETECT_MARGIN = 1.5   # "auto": the detection timeout's wall time at least this many of the probe's slowest
-DETECT_FLOOR_S = 1 / 3  # steps, and at least this many wall seconds (x AUTO_HEADROOM, as every need: 2.25
-                        # slowest steps, 0.5 s)
+DETECT_MARGIN = 3.0    # "auto": the detection timeout's slack (the timeout less one heartbeat period, in wall
+DETECT_FLOOR_S = 0.1   # time) at least this many times the probe's worst heartbeat lateness, and at least
+                       # this many wall seconds (x AUTO_HEADROOM, as every need)
 
 
-def detection_time_scale(slowest_s: float, detect_timeout_s: float) -> float:
-    """The smallest time scale "auto" takes for the heartbeat's sake: the detection timeout's
-    wall time (detect_timeout_s x scale) at least DETECT_MARGIN times the slowest probed step
-    and DETECT_FLOOR_S, so that a worker the loaded machine starves for as long is not declared
-    lost (sweep member 7/1 at time scale 0.05, a 0.25 s timeout, 12.5 ms of wall, on a machine
-    loaded 25: every worker lost in its calibration). A worker's heartbeats come from a thread
-    of their own, so a step of real work does not hold them up; 4 slowest steps (6 with the
-    headroom) ran the slow-step members of the sweep at time scale 1 for want of nothing but
-    this (sweep-1-0: a 266 ms slowest step, a 2 s timeout; 10 min for one member). An
-    explicit scale is not refused on it: a false detection fails the run."""
+def detection_time_scale(heartbeat_late_s: float, heartbeat_s: float, detect_timeout_s: float) -> float:
+    """The smallest time scale "auto" takes for the heartbeat's sake. A member is declared lost
+    when it goes unheard for detect_timeout_s x scale of wall time; unheard it is for its
+    heartbeat period (heartbeat_s x scale) plus however late this machine delivers the beat.
+    The probe measures that lateness where it is worst, every worker flat out
+    (`heartbeat_late_s`, wall seconds, at the coordinator, whose own starvation counts too);
+    the slack left for it must be DETECT_MARGIN times as much (the probe is short: the run
+    meets rarer stalls) and at least DETECT_FLOOR_S. Before (issue 25) this was 1.5 x the
+    slowest probed step and 1/3 s, a guess at the stall that a measurement now gives: on the
+    sweep's members the beat came 0.6-118 ms late where steps took 0.19-0.82 s flat out, so
+    slow-step members ran at twice the scale they needed. An explicit scale is not refused
+    on it: a false detection fails the run."""
+    slack = detect_timeout_s - heartbeat_s
     if detect_timeout_s <= 0:
         return 0.0
-    return max(DETECT_MARGIN * slowest_s, DETECT_FLOOR_S) / detect_timeout_s
+    if slack <= 0:
+        return math.inf
+    return max(DETECT_MARGIN * heartbeat_late_s, DETECT_FLOOR_S) / slack
 
 
 def ladder_up(x: float) -> float:

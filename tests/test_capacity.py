@@ -3,6 +3,7 @@ starts. The decisions on given figures (the same verdict on any machine), and th
 path through the CLI with runs that fit no machine."""
 from __future__ import annotations
 
+import math
 import subprocess
 
 import pytest
@@ -96,6 +97,30 @@ def test_the_probe_judges_the_whole_step():
     assert capacity.probe_fits(0.25, 0.43, 2.0, 11, 2) is None  # multiregion-12: 0.43 s against 0.5 s
 
 
+def test_the_step_floor_is_the_emulated_step_compute_and_reduction():
+    """runtime/capacity.emulated_step_floor_s prices a fault-free step as the emulation does:
+    at least the compute, plus the reduction over the scenario's links; a lower bound on the
+    step the twin predicts from the same scenario (parity: the two accounts of one cluster)."""
+    import twin
+    from keel.scenario import load
+    from runtime.capacity import emulated_step_floor_s, training_speeds
+    for name in ("multiregion-12", "multiregion-46"):
+        sc = load(REPO / "scenarios" / f"{name}.toml")
+        compute = capacity.step_floor_s(sc.slot_count, sc.workload.step_compute_s, training_speeds(sc))
+        floor = emulated_step_floor_s(sc)
+        predicted = next(e for e in twin.simulate(sc).events if e.kind == "run_start").detail["step_time_s"]
+        assert compute < floor <= predicted * 1.01 and floor > 0.9 * predicted, (name, compute, floor, predicted)
+        # the reduction is priced on the links: ten times slower links between regions, a longer step
+        slow = sc.with_overrides({f"links.{i}.gbit_s": link.gbit_s / 10 for i, link in enumerate(sc.links)})
+        assert emulated_step_floor_s(slow) > floor + 0.5
+    # sweep member 2/15 (6 Dec): 2.05 s of compute, a 9.1 s step; its 0.58 s of real work flat out
+    # was set against the compute and ran it at time scale 0.7 where 0.1 would keep it
+    from planner.scenario_gen import generate
+    member, _ = generate(2, 15)
+    assert emulated_step_floor_s(member) == pytest.approx(9.17, rel=0.01)
+    assert capacity.auto_time_scale(capacity.probe_time_scale(0.584, emulated_step_floor_s(member))) == 0.1
+
+
 def test_auto_picks_from_a_ladder_with_headroom():
     assert [capacity.ladder_up(x) for x in (0.0013, 0.1, 0.1001, 0.26, 1.0, 1.2, 6.7, 7.1)] == \
         [0.0015, 0.1, 0.15, 0.3, 1.0, 1.5, 7.0, 10.0]
@@ -113,16 +138,17 @@ def test_check_machine_with_given_measurements(monkeypatch, capsys):
     monkeypatch.setattr(rc.capacity, "this_machine", lambda: TWO_CORES)
     monkeypatch.setattr(rc, "slot_seconds", lambda *a: 0.004)
     probes = []
-    monkeypatch.setattr(rc, "probe_step_seconds", lambda sc: probes.append(sc) or (0.074, 0.09, 1.2))
+    monkeypatch.setattr(rc, "probe_step_seconds", lambda sc: probes.append(sc) or rc.Probe(0.074, 0.09, 1.2, 0.01))
     local8 = load(REPO / "scenarios" / "local-8.toml", ["emulation.enabled=true"])
     with pytest.raises(InputError, match="for the compute alone"):  # 1.0 < 1.4: no probe needed
         rc.check_machine(local8)
     assert probes == []
-    with pytest.raises(InputError, match=r"needs time_scale >= 3\.3; .*--set emulation\.time_scale=5 "):
+    # local-8's fault-free step is 24.9 ms as the emulation prices it (22.9 ms of compute, its reduction)
+    with pytest.raises(InputError, match=r"needs time_scale >= 3; .*--set emulation\.time_scale=5 "):
         rc.check_machine(local8.with_overrides({"emulation.time_scale": 1.7}))
     assert rc.check_machine(local8.with_overrides({"emulation.time_scale": 3.5})).emulation.time_scale == 3.5
     chosen = rc.check_machine(local8.with_overrides({"emulation.time_scale": "auto"}))
-    # auto keeps the slowest probed step: 0.09 s against 22.9 ms of compute, x1.5: 5.9 -> 7
+    # auto keeps the slowest probed step: 0.09 s against 24.9 ms, x1.5: 5.4 -> 7
     assert chosen.emulation.time_scale == 7.0 and chosen.workload == local8.workload
     assert "emulation.time_scale auto -> 7" in capsys.readouterr().err
     assert rc.check_machine(load(REPO / "scenarios" / "local-8.toml")) .emulation.time_scale == 1.0  # not emulated
@@ -170,11 +196,23 @@ def test_a_relaunch_must_fit_restart_s():
 
 
 def test_auto_keeps_the_detection_timeout_above_the_machines_stalls():
-    # a 2 s timeout, the slowest probed step 0.4 s: at least 1.5 x 0.4 s of wall for the timeout,
-    # 0.9 s with auto's headroom
-    assert capacity.detection_time_scale(0.4, 2.0) == pytest.approx(0.3)
-    assert capacity.auto_time_scale(capacity.detection_time_scale(0.4, 2.0)) == 0.5
-    # a quick machine: the floor, 1/3 s (0.5 s with the headroom) of wall for the timeout
-    assert capacity.detection_time_scale(0.05, 5.0) == pytest.approx(1 / 15)
-    assert capacity.auto_time_scale(capacity.detection_time_scale(0.05, 5.0)) == 0.1
-    assert capacity.detection_time_scale(0.05, 0.0) == 0.0
+    # a 2 s timeout, a heartbeat every 0.5 s: 1.5 s of slack, which must hold 3 x the probe's worst
+    # lateness (sweep member 1/19, 39 workers flat out: 118 ms) -> scale 0.236, 0.5 with auto's headroom
+    assert capacity.detection_time_scale(0.118, 0.5, 2.0) == pytest.approx(3 * 0.118 / 1.5)
+    assert capacity.auto_time_scale(capacity.detection_time_scale(0.118, 0.5, 2.0)) == 0.5
+    # a quiet machine: the floor, 0.1 s of slack (0.15 s with the headroom)
+    assert capacity.detection_time_scale(0.0006, 0.2, 1.0) == pytest.approx(0.1 / 0.8)
+    assert capacity.auto_time_scale(capacity.detection_time_scale(0.0006, 0.2, 1.0)) == 0.2
+    assert capacity.detection_time_scale(0.05, 0.25, 0.0) == 0.0  # no detection
+    assert capacity.detection_time_scale(0.05, 1.0, 1.0) == math.inf  # a beat no sooner than the timeout
+
+
+def test_the_probe_measures_heartbeat_lateness(tmp_path):
+    """A real emulated run reports how late its members' beats came at the coordinator (wall
+    seconds), the figure auto's detection need is built on."""
+    from keel.scenario import load
+    from runtime import api
+    sc = load(REPO / "scenarios" / "local-8.toml", ["emulation.enabled=true", "emulation.time_scale=7"])
+    summary = api.run_scenario(sc, tmp_path / "r", steps=6, no_faults=True, progress=False)
+    late = summary["emulation"]["heartbeat_late_s"]
+    assert 0.0 <= late < sc.policy.detect_timeout_s * 7  # no member lost: never as late as the timeout

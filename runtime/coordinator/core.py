@@ -333,7 +333,11 @@ class Coordinator:
             self.on_message(self.state.workers[node], msg)
 
     def on_message(self, w: WorkerState, msg: dict) -> None:
-        w.last_seen = time.monotonic()
+        now = time.monotonic()
+        if self.emulated and w.joined:  # how long past its heartbeat a member went unheard (wall)
+            es = self.state.emu_stats
+            es["heartbeat_late_s"] = max(es.get("heartbeat_late_s", 0.0), now - w.last_seen - self.policy.heartbeat_s * self.scale)
+        w.last_seen = now
         kind = msg.get("type")
         if kind == "hb":
             w.last_hb_t = w.last_seen
