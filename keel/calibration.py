@@ -25,7 +25,7 @@ FORMAT_VERSION = 1
 FILENAME = "calibration.json"
 
 # what `keel calibrate` measures (the real part of an emulated run: planner/calibrate_fit.py)
-MEASURED = {"reform_s": "s", "spare_takeover_s": "s", "coordinator_restart_s": "s"}
+MEASURED = {"reform_s": "s", "spare_takeover_s": "s", "coordinator_restart_s": "s", "coordinator_reform_s": "s"}
 # every primitive the twin takes from a calibration where it has one (twin/params.py says what
 # each is); the rest of a calibration's names are ignored
 UNITS = {
@@ -33,7 +33,7 @@ UNITS = {
     "detect_kill_s": "s", "detect_rack_s": "s", "reform_s": "s",
     "state_transfer_gbyte_s": "GB/s", "spare_takeover_s": "s", "ckpt_snapshot_gbyte_s": "GB/s",
     "ckpt_write_gbyte_s": "GB/s", "ckpt_read_gbyte_s": "GB/s", "restart_s": "s",
-    "coordinator_restart_s": "s",
+    "coordinator_restart_s": "s", "coordinator_reform_s": "s",
 }
 NAMES = tuple(UNITS)
 RATES = frozenset({"reduce_gbyte_s", "state_transfer_gbyte_s", "ckpt_snapshot_gbyte_s",

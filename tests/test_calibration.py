@@ -39,7 +39,8 @@ def test_pauses_and_samples_from_a_calibration_log():
     assert out["reform_s"] == pytest.approx([1.9]) and out["spare_takeover_s"] == pytest.approx([2.6 - 1.9])
     # a run that lost no rack gives no sample (the take-over is measured against the re-forming)
     assert F.run_samples([e for e in ev if e.fault_id != 1]) == {"reform_s": [], "spare_takeover_s": [],
-                                                                 "coordinator_restart_s": []}
+                                                                 "coordinator_restart_s": [],
+                                                                 "coordinator_reform_s": []}
 
 
 def with_coordinator_loss(ev, fid, t_dead, ack_s, pg_s, step_s, step, policy="absorb"):
@@ -71,26 +72,29 @@ def test_coordinator_restart_s_is_the_runtimes_ack_s():
     with_coordinator_loss(ev, 2, 29.0, 3.2, 0.3, 1.5, 10)
     out = F.run_samples(ev)
     assert out["coordinator_restart_s"] == pytest.approx([3.2])
+    # the group the successor forms, on its own: reform_s - ack_s (not the rack loss's 1.9)
+    assert out["coordinator_reform_s"] == pytest.approx([0.3])
     assert out["reform_s"] == pytest.approx([1.9])  # the rack loss's generation ends at the coordinator's fault
     # under checkpoint_restart the episode has no ack_s: no sample
     restart = calibration_log()
     with_coordinator_loss(restart, 2, 29.0, 3.2, 0.3, 1.5, 10, policy="checkpoint_restart")
-    assert F.run_samples(restart)["coordinator_restart_s"] == []
+    assert F.run_samples(restart)["coordinator_restart_s"] == F.run_samples(restart)["coordinator_reform_s"] == []
     fitted = F.fit_calibration({"coordinator_restart_s": [3.2, 2.8, 3.0, 9.0]})
     e = fitted["primitives"]["coordinator_restart_s"]
     assert e["median"] == pytest.approx(3.1) and e["unit"] == "s" and "ack_s" in e["how"]
-    assert set(fitted["missing"]) == {"reform_s", "spare_takeover_s"}
+    assert set(fitted["missing"]) == {"reform_s", "spare_takeover_s", "coordinator_reform_s"}
 
 
 def test_fit_pools_the_runs_samples():
     fitted = F.fit_calibration({"reform_s": [1.9, 2.1, 2.0], "spare_takeover_s": [0.5, 0.7],
-                                "coordinator_restart_s": [1.0]})
+                                "coordinator_restart_s": [1.0], "coordinator_reform_s": [0.4]})
     p = fitted["primitives"]
     assert p["reform_s"]["median"] == pytest.approx(2.0) and p["spare_takeover_s"]["median"] == pytest.approx(0.6)
     for name, e in p.items():
         assert e["unit"] == K.unit(name) == "s" and e["n"] == len(e["samples"]) and e["how"]
     assert fitted["missing"] == []
-    assert F.fit_calibration({"reform_s": [1.0]})["missing"] == ["spare_takeover_s", "coordinator_restart_s"]
+    assert F.fit_calibration({"reform_s": [1.0]})["missing"] == ["spare_takeover_s", "coordinator_restart_s",
+                                                                 "coordinator_reform_s"]
 
 
 def test_generation_pace():

@@ -38,7 +38,7 @@ def test_calibrate_measures_the_real_recovery_work(calibration):
     path, printed = calibration
     cal = json.loads(path.read_text())
     assert cal == printed
-    assert set(cal["primitives"]) == {"reform_s", "spare_takeover_s", "coordinator_restart_s"}
+    assert set(cal["primitives"]) == {"reform_s", "spare_takeover_s", "coordinator_restart_s", "coordinator_reform_s"}
     assert cal["missing"] == []
     for name, e in cal["primitives"].items():
         assert e["unit"] == "s" and len(e["samples"]) == cal["reference"]["runs"] == 2, name
@@ -55,7 +55,7 @@ def test_calibrate_measures_the_real_recovery_work(calibration):
     assert datetime.datetime.fromisoformat(cal["created"]).tzinfo is not None
     from twin.params import TwinParams, load_calibration
     params = TwinParams.from_scenario(sc, load_calibration(path))
-    assert params.calibrated == ("coordinator_restart_s", "reform_s", "spare_takeover_s")
+    assert params.calibrated == ("coordinator_reform_s", "coordinator_restart_s", "reform_s", "spare_takeover_s")
 
 
 @pytest.fixture(scope="module")

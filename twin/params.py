@@ -33,6 +33,9 @@ Calibrated primitives (name: what it is; where the scenario value comes from):
                           and every worker rejoined (the next generation announced), s
                           (policy.coordinator_restart_s; `keel calibrate` measures it: the median
                           ack_s of coordinator_loss episodes)
+  coordinator_reform_s    under absorb, the group the successor forms once it is up, s (default:
+                          reform_s; `keel calibrate` measures it on its own: the workers train on
+                          through the outage and re-form while busy, slower than after a node loss)
   detect_at_commit_s      not calibrated: a scheduled crash strikes right after a commit, when the
                           node's last message (its step report) is fresh, so the whole
                           detect_timeout_s runs; None where
@@ -75,6 +78,7 @@ class TwinParams:
     ckpt_read_gbyte_s: float
     restart_s: float
     coordinator_restart_s: float
+    coordinator_reform_s: float | None = None  # None: as reform_s
     detect_rack_s: float | None = None  # None: as detect_kill_s
     # not calibrated: taken from the scenario as they are
     detect_at_commit_s: float | None = None  # a crash right after a commit (scheduled faults); None: as detect_kill_s
@@ -114,6 +118,8 @@ class TwinParams:
         values.update(measured)
         if "detect_rack_s" not in values:
             values["detect_rack_s"] = values["detect_kill_s"]
+        if "coordinator_reform_s" not in values:
+            values["coordinator_reform_s"] = values["reform_s"]
         # A scheduled crash strikes right after a commit, when the node's last message (its step
         # report; any message counts as a heartbeat) is fresh: the full timeout runs from that
         # message. A calibrated detect_kill_s (a process death seen as connection loss) holds

@@ -9,8 +9,9 @@ Under absorb the workers train on meanwhile and nothing of that is lost: the twi
 it as a re-form with no node lost. The trainer runs on, but commits are held (no `step`
 event) until the successor is up; then the steps done meanwhile are committed at once (one
 `step` event), its abort lands (the step in flight is lost: the workers finish its compute
-before they see the abort, StepCost.drain_s), the job pauses for reform_s (the new process
-group; no slot moves, no state is copied) and redoes that step. The episode's `recover_end` comes just before the new
+before they see the abort, StepCost.drain_s), the job pauses for coordinator_reform_s (the new
+process group, formed while the workers train on; no slot moves, no state is copied) and
+redoes that step. The episode's `recover_end` comes just before the new
 generation's first commit, with the runtime's detail: downtime_s (fault to then), detect_s
 0, ack_s (death to the successor up), reform_s (ack_s + the pause), state_s 0, redo_s (the
 redone step) and gen. Under checkpoint_restart the job stops at the death (what the
@@ -98,7 +99,8 @@ class CoordinatorLossMixin:
                 self._append_step(self.env.now, self.committed, self.committed_when_held)
             self.hold_from, self.held = None, False
         self.awaiting_recovery.append(fid)
-        self.recovery_s = max(self.recovery_s, self.cost.reformed_s(self.inflight, self.env.now, self.params.reform_s))
+        self.recovery_s = max(self.recovery_s, self.cost.reformed_s(self.inflight, self.env.now,
+                                                                    self.params.coordinator_reform_s))
 
     def _failover_done(self, fid: int) -> None:
         """A failover's new generation is formed: its recover_end comes just before the next
