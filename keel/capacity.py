@@ -84,6 +84,8 @@ def min_time_scale(slot_s: float, step_compute_s: float, speed: float, workers: 
 # to 9 times the scale they needed).
 
 AUTO_HEADROOM = 1.5              # "auto" picks this much above the measured need: the machine's load moves
+STALL_S = 0.3                    # "auto": wall seconds of slack a step keeps for a stall of the whole machine
+                                 # (see stall_time_scale)
 SCALE_LADDER = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)  # "auto" picks from these x 10^k, so repeated picks agree
                                                # (a calibration holds for one time scale)
 
@@ -99,6 +101,19 @@ def probe_time_scale(probe_step_s: float, floor_s: float) -> float:
     """The smallest time scale at which a step's measured real work (`probe_step_s`, wall
     seconds, flat out) fits the wall time the scenario gives the step (at least `floor_s`)."""
     return probe_step_s / floor_s
+
+
+def stall_time_scale(slowest_s: float, floor_s: float) -> float:
+    """The smallest time scale "auto" takes for a step's sake: the slowest probed step's real
+    work (`slowest_s`, wall) and STALL_S of slack beside it in the wall time the scenario gives
+    a step (at least `floor_s`). A worker waits for its step's emulated end only at the commit
+    (runtime/emulation/node.py), so a stall of the machine shorter than a step's slack is
+    absorbed, and a longer one makes every worker's report late and moves the emulated clock
+    by stall / scale: at small scales a stall costs whole steps. Slack in proportion to the
+    real work (AUTO_HEADROOM) leaves a step of little real work none: sweep member 1/8
+    (6 Dec), 31 workers at scale 0.07, 0.3 s of real work in a 0.47 s step, lost its second
+    repetition to one 0.6 s stall of the machine (31 reports late: unfaithful)."""
+    return probe_time_scale(slowest_s + STALL_S, floor_s)
 
 
 def probe_fits(time_scale: float, probe_step_s: float, floor_s: float, workers: int, cores: int) -> str | None:

@@ -157,7 +157,7 @@ def check_machine(scenario: Scenario, what: str = "keel run", progress: bool = T
         return scenario
     p = scenario.policy
     need = max(capacity.min_time_scale(slot_s, w.step_compute_s, speed, workers, machine.cores),
-               capacity.probe_time_scale(probe.slowest_s, floor_s),  # auto keeps even the slowest probed step
+               capacity.stall_time_scale(probe.slowest_s, floor_s),  # the slowest probed step, and slack
                capacity.relaunch_time_scale(probe.launch_s, p.restart_s) if relaunches else 0.0,
                capacity.detection_time_scale(probe.heartbeat_late_s, p.heartbeat_s, p.detect_timeout_s))
     chosen = capacity.auto_time_scale(need)

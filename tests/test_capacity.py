@@ -148,9 +148,9 @@ def test_check_machine_with_given_measurements(monkeypatch, capsys):
         rc.check_machine(local8.with_overrides({"emulation.time_scale": 1.7}))
     assert rc.check_machine(local8.with_overrides({"emulation.time_scale": 3.5})).emulation.time_scale == 3.5
     chosen = rc.check_machine(local8.with_overrides({"emulation.time_scale": "auto"}))
-    # auto keeps the slowest probed step: 0.09 s against 24.9 ms, x1.5: 5.4 -> 7
-    assert chosen.emulation.time_scale == 7.0 and chosen.workload == local8.workload
-    assert "emulation.time_scale auto -> 7" in capsys.readouterr().err
+    # auto keeps the slowest probed step and 0.3 s of slack: 0.39 s against 24.9 ms, x1.5: 23.5 -> 30
+    assert chosen.emulation.time_scale == 30.0 and chosen.workload == local8.workload
+    assert "emulation.time_scale auto -> 30" in capsys.readouterr().err
     assert rc.check_machine(load(REPO / "scenarios" / "local-8.toml")) .emulation.time_scale == 1.0  # not emulated
 
 
@@ -193,6 +193,16 @@ def test_a_relaunch_must_fit_restart_s():
     assert "needs time_scale >= 0.15 " in why
     assert capacity.relaunch_fits(0.15, 2.7, 18.4, 8) is None
     assert capacity.auto_time_scale(capacity.relaunch_time_scale(2.7, 18.4)) == 0.3
+
+
+def test_auto_keeps_slack_for_a_stall_of_the_machine():
+    # sweep member 1/8: 0.295 s of real work flat out, a 6.72 s step: in proportion alone 0.07 (a 0.47 s
+    # step, which one 0.6 s stall overran); with 0.3 s of slack 0.15 (1.0 s of wall a step)
+    assert capacity.auto_time_scale(capacity.probe_time_scale(0.295, 6.72)) == 0.07
+    assert capacity.stall_time_scale(0.295, 6.72) == pytest.approx((0.295 + capacity.STALL_S) / 6.72)
+    assert capacity.auto_time_scale(capacity.stall_time_scale(0.295, 6.72)) == 0.15
+    slack = capacity.auto_time_scale(capacity.stall_time_scale(0.295, 6.72)) * 6.72 - 0.295
+    assert slack > 0.6
 
 
 def test_auto_keeps_the_detection_timeout_above_the_machines_stalls():
