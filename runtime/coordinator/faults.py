@@ -194,6 +194,9 @@ def try_nonfinite(c: Coordinator, step: int) -> None:
 
 def restart(c: Coordinator, ep: Episode) -> None:
     """The baseline: stop every worker, relaunch them all, load the newest checkpoint."""
+    decided = c.now()  # emulated: the relaunch's restart_s runs from the decision (below), taken
+    # before anything here costs real time: the first import of runtime.checkpoint (torch) took
+    # ~0.9 s of wall, which an emulated relaunch added to restart_s (sweep member 1/9, 6 Dec)
     from runtime import checkpoint as ck
     st = c.state
     if st.phase == Phase.RESTARTING:
@@ -203,7 +206,6 @@ def restart(c: Coordinator, ep: Episode) -> None:
         return
     st.enter(Phase.RESTARTING)
     st.restarts += 1
-    decided = c.now()  # emulated: the relaunch's restart_s runs from the decision (below)
     # a checkpoint of a step not committed here (written by workers while a dead
     # coordinator's successor was starting) is not one this run has reached. Verifying
     # reads and hashes every file: in the background, so that a large checkpoint is not
