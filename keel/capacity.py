@@ -126,8 +126,8 @@ def probe_fits(time_scale: float, probe_step_s: float, floor_s: float, workers: 
             f"workers on {cores} cores takes {probe_step_s * 1000:.3g} ms of real work here (measured, a short "
             f"fault-free probe), and the scenario gives a step {floor_s * time_scale * 1000:.3g} ms of wall time "
             f"(a lower bound on its fault-free step); a faithful emulation needs time_scale >= "
-            f"{round_up_scale(need):g}; with headroom for this machine's load: --set emulation.time_scale={auto_time_scale(need):g} "
-            f"(or emulation.time_scale = \"auto\")")
+            f"{round_up_scale(need):g}; with headroom for this machine's load: --set "
+            f"emulation.time_scale={auto_time_scale(need):g} (or emulation.time_scale = \"auto\")")
 
 
 def relaunch_time_scale(launch_s: float, restart_s: float) -> float:

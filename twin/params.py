@@ -78,7 +78,7 @@ class TwinParams:
     ckpt_read_gbyte_s: float
     restart_s: float
     coordinator_restart_s: float
-    coordinator_reform_s: float | None = None  # None: as reform_s
+    coordinator_reform_s: float
     detect_rack_s: float | None = None  # None: as detect_kill_s
     # not calibrated: taken from the scenario as they are
     detect_at_commit_s: float | None = None  # a crash right after a commit (scheduled faults); None: as detect_kill_s

@@ -336,7 +336,8 @@ class Coordinator:
         now = time.monotonic()
         if self.emulated and w.joined:  # how long past its heartbeat a member went unheard (wall)
             es = self.state.emu_stats
-            es["heartbeat_late_s"] = max(es.get("heartbeat_late_s", 0.0), now - w.last_seen - self.policy.heartbeat_s * self.scale)
+            late = now - w.last_seen - self.policy.heartbeat_s * self.scale
+            es["heartbeat_late_s"] = max(es.get("heartbeat_late_s", 0.0), late)
         w.last_seen = now
         kind = msg.get("type")
         if kind == "hb":
