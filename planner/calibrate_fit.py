@@ -25,7 +25,8 @@ twin's `coordinator_restart_s` as it is:
 - `coordinator_reform_s`: its reform_s minus its ack_s, the group the successor forms. Not the
   rack loss's re-form: under absorb the workers train on through the outage, so they re-form
   while busy, and the successor's group formed 1.15-1.75 times slower than a node or rack
-  loss's in the same run (sweep members 1/6, 1/25, 1/26, 2/5, 2/7, 2/9; 6 Dec).
+  loss's in the same run (sweep members 1/6, 1/25, 1/26, 2/5, 2/7, 2/9; 6 Dec; read off their
+  repetitions' recover_end events, no script kept).
 """
 from __future__ import annotations
 

@@ -114,7 +114,8 @@ def test_the_step_floor_is_the_emulated_step_compute_and_reduction():
         slow = sc.with_overrides({f"links.{i}.gbit_s": link.gbit_s / 10 for i, link in enumerate(sc.links)})
         assert emulated_step_floor_s(slow) > floor + 0.5
     # sweep member 2/15 (6 Dec): 2.05 s of compute, a 9.1 s step; its 0.58 s of real work flat out
-    # was set against the compute and ran it at time scale 0.7 where 0.1 would keep it
+    # was set against the compute and ran it at time scale 0.7; the step's own need is 0.1 (auto adds
+    # the stall's slack, stall_time_scale)
     from planner.scenario_gen import generate
     member, _ = generate(2, 15)
     assert emulated_step_floor_s(member) == pytest.approx(9.17, rel=0.01)
