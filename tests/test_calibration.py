@@ -85,6 +85,22 @@ def test_coordinator_restart_s_is_the_runtimes_ack_s():
     assert set(fitted["missing"]) == {"reform_s", "spare_takeover_s", "coordinator_reform_s"}
 
 
+def test_the_coordinator_dies_with_every_trained_node_in_the_group():
+    """The calibration's coordinator loss comes after the kill's episode and before the region
+    loss, so its successor re-forms a group the size a validation's coordinator loss mostly
+    finds (killed after the region loss, it timed a smaller group's re-form: sweep member 2/5,
+    0.47 s against 1.0-1.2 s). Each fault is FAULT_GAP_STEPS or more after the one before, and
+    the run goes on past the last."""
+    from keel import scenario as S
+    from planner import calibrate as C
+    from planner.scenario_gen import FAULT_GAP_STEPS
+    sc = C.calibration_scenario(S.load("scenarios/multiregion-12.toml"))
+    at = {f.class_: f.at_step for f in sc.faults.schedule}
+    assert at["hardware_fault"] < at["coordinator_loss"] < at["partial_cluster_loss"] < sc.run.steps
+    assert at["partial_cluster_loss"] - at["coordinator_loss"] >= FAULT_GAP_STEPS
+    assert sc.run.steps - at["partial_cluster_loss"] >= 4
+
+
 def test_fit_pools_the_runs_samples():
     fitted = F.fit_calibration({"reform_s": [1.9, 2.1, 2.0], "spare_takeover_s": [0.5, 0.7],
                                 "coordinator_restart_s": [1.0], "coordinator_reform_s": [0.4]})
