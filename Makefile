@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/keel demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20  # the slowest 20 printed: the suite must stay under 15 minutes on 2 cores
 
 # Issue 13's reliability tests (pytest -m reliability) at FULL counts; writes docs/reliability.md.
 .PHONY: reliability

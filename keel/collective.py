@@ -88,10 +88,3 @@ def plan_for(regions: tuple[tuple[int, ...], ...], length: int, exchange: bool =
     """`build_plan`, cached (a generation reuses two or three plans every step)."""
     return build_plan(regions, length, exchange)
 
-
-def piece_share(n: int, pieces: int, k: int) -> float:
-    """The largest fraction of piece k of `pieces` (the inter-region ring's G_k) that one of a
-    region's n members owns (its balanced chunk of `build_plan`'s intra-region partition): the
-    share of G_k's bytes the busiest owner sends, or receives, in a ring step carrying G_k."""
-    lo, hi = k / pieces, (k + 1) / pieces
-    return max(max(0.0, min(hi, (i + 1) / n) - max(lo, i / n)) for i in range(n)) * pieces

@@ -14,10 +14,11 @@ every order is the same ring).
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 from keel.scenario import Scenario, region_of
 
@@ -109,6 +110,49 @@ def message_latency_s(scenario: Scenario, src_region: str, dst_region: str) -> f
         return scenario.region(src_region).intra_latency_ms / 1e3
     half = (scenario.region(src_region).intra_latency_ms + scenario.region(dst_region).intra_latency_ms) / 2e3
     return route(scenario, src_region, dst_region).latency_s + half
+
+
+def message_resources(scenario: Scenario, src: str, dst: str) -> tuple[tuple[tuple, float], ...]:
+    """The (resource, bytes/s) a message from node `src` to node `dst` passes through: the
+    sender's NIC, the receiver's, and each inter-region link on the route (one resource per
+    direction: a link is full duplex)."""
+    a, b = region_of(src), region_of(dst)
+    out = [(("tx", src), node_bytes_s(scenario, a)), (("rx", dst), node_bytes_s(scenario, b))]
+    if a != b:
+        out += [(("link",) + hop, link_bytes_s(scenario, *hop)) for hop in route(scenario, a, b).hops]
+    return tuple(out)
+
+
+def shared_transfers_s(msgs: Sequence[tuple[str, str, float]],
+                       resources: Callable[[str, str], Sequence[tuple[tuple, float]]]) -> list[float]:
+    """Transfer seconds of each of `msgs` ((src node, dst node, bytes), sent together), every
+    resource (`resources(src, dst)`: `message_resources`, or a cache of it) shared fairly among
+    the messages crossing it, as flows share a link: with k of sizes s_1 <= ... <= s_k on a
+    resource of bandwidth B, processor sharing finishes the j-th at
+    (s_1 + ... + s_{j-1} + (k - j + 1) s_j) / B. A message's transfer is its slowest
+    resource's. One formula for the runtime's link emulator (every message it sends) and the
+    twin (each step of the reduction's plan)."""
+    on: dict[tuple, list[float]] = {}
+    for src, dst, size in msgs:
+        for res, _ in resources(src, dst):
+            on.setdefault(res, []).append(size)
+    prefix: dict[tuple, tuple[list[float], list[float]]] = {}
+    for res, sizes in on.items():
+        sizes.sort()
+        sums, acc = [], 0.0
+        for x in sizes:
+            sums.append(acc)
+            acc += x
+        prefix[res] = (sizes, sums)
+    out = []
+    for src, dst, size in msgs:
+        worst = 0.0
+        for res, bw in resources(src, dst):
+            sizes, sums = prefix[res]
+            j = bisect.bisect_left(sizes, size)  # the smaller ones finish first
+            worst = max(worst, (sums[j] + (len(sizes) - j) * size) / bw)
+        out.append(worst)
+    return out
 
 
 def state_bytes(scenario: Scenario) -> int:

@@ -15,16 +15,15 @@ hier.py; a state copy to a node that is behind) is priced here from the scenario
 - **transfer**: the bytes the message stands for (the scenario's: the real payload times the
   scenario's bytes per real element) through every resource on its path, the sender's NIC,
   each inter-region link on the route (one resource per direction) and the receiver's NIC. The
-  messages sent together (one step of a collective) share each resource fairly: with k of
-  sizes s_1 <= ... <= s_k on a resource of bandwidth B, processor sharing finishes the j-th at
-  (s_1 + ... + s_{j-1} + (k - j + 1) s_j) / B. A message's transfer is its slowest resource's.
+  messages sent together (one step of a collective) share each resource fairly, by processor
+  sharing (keel.hardware.shared_transfers_s, which the twin prices the reduction by too). A
+  message's transfer is its slowest resource's.
 
 The runtime never imports the twin: this is the runtime's own account of the hardware, built
 on the same scenario and the same routes (keel.hardware).
 """
 from __future__ import annotations
 
-import bisect
 import functools
 import hashlib
 import math
@@ -61,37 +60,14 @@ class LinkEmulator:
 
     @functools.lru_cache(maxsize=None)
     def resources(self, src: str, dst: str) -> tuple[tuple[tuple, float], ...]:
-        """The (resource, bytes/s) a message from node src to node dst passes through."""
-        sc = self.scenario
-        a, b = _region(src), _region(dst)
-        out = [(("tx", src), hardware.node_bytes_s(sc, a)), (("rx", dst), hardware.node_bytes_s(sc, b))]
-        if a != b:
-            out += [(("link",) + hop, hardware.link_bytes_s(sc, *hop)) for hop in hardware.route(sc, a, b).hops]
-        return tuple(out)
+        """The (resource, bytes/s) a message from node src to node dst passes through
+        (keel.hardware.message_resources)."""
+        return hardware.message_resources(self.scenario, src, dst)
 
     def transfers(self, msgs: Sequence[tuple[str, str, float]]) -> list[float]:
-        """Transfer seconds of each of `msgs` ((src node, dst node, bytes), sent together)."""
-        on: dict[tuple, list[float]] = {}
-        for src, dst, size in msgs:
-            for res, _ in self.resources(src, dst):
-                on.setdefault(res, []).append(size)
-        prefix: dict[tuple, tuple[list[float], list[float]]] = {}
-        for res, sizes in on.items():
-            sizes.sort()
-            sums, acc = [], 0.0
-            for s in sizes:
-                sums.append(acc)
-                acc += s
-            prefix[res] = (sizes, sums)
-        out = []
-        for src, dst, size in msgs:
-            worst = 0.0
-            for res, bw in self.resources(src, dst):
-                sizes, sums = prefix[res]
-                j = bisect.bisect_left(sizes, size)  # the smaller ones finish first
-                worst = max(worst, (sums[j] + (len(sizes) - j) * size) / bw)
-            out.append(worst)
-        return out
+        """Transfer seconds of each of `msgs` ((src node, dst node, bytes), sent together):
+        keel.hardware.shared_transfers_s, the formula the twin prices the reduction's steps by."""
+        return hardware.shared_transfers_s(msgs, self.resources)
 
     def arrival(self, t_send: float, src: str, dst: str, transfer_s: float, key: str,
                 spike_s: float = 0.0) -> float:
