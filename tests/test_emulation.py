@@ -140,7 +140,7 @@ def test_time_scale_without_emulation_is_an_input_error(tmp_path):
     assert "--time-scale" in p.stderr and "--emulate" in p.stderr and "Traceback" not in p.stderr
 
 
-def _emulated_collective_s(sc, members, spike=None, length=44_000, starts=None):
+def _emulated_collective_s(sc, members, spike=None, length=44_000, starts=None, key="parity"):
     """The emulated all-reduce over `members` without processes: the runtime's own plan
     (runtime/emulation/hier.py) priced message by message (netem.py), every node starting at
     0 (or at `starts[node]`, then every node's end is returned); `spike` = (target, seconds)
@@ -160,7 +160,7 @@ def _emulated_collective_s(sc, members, spike=None, length=44_000, starts=None):
     clocks = [0.0] * len(order) if starts is None else [starts[n] for n in order]
     for i, (nbytes, exchange) in enumerate(wire.scenario_rounds(sc)):  # the step's all-reduces in turn
         plan = hier.build_plan([[index[n] for n in g] for g in groups], length, exchange)
-        pricer.bytes_per_element, pricer.key = nbytes / length, f"parity/r{i}"
+        pricer.bytes_per_element, pricer.key = nbytes / length, f"{key}/r{i}"  # the key seeds the jitter
         clocks = hier.clocks(plan, clocks, price)
     return max(clocks) if starts is None else dict(zip(order, clocks))
 
@@ -215,6 +215,32 @@ def test_the_twins_collective_on_generated_clusters(seed, index, max_nodes):
         active[m.rsplit("/", 1)[0]] = active.get(m.rsplit("/", 1)[0], 0) + 1
     emulated = _emulated_collective_s(sc, members)
     assert Topology(sc).reduction(active).seconds(wire.scenario_bytes(sc)) == pytest.approx(emulated, rel=0.04)
+
+
+# members whose links jitter by 0.5-5 ms: every message between regions draws its own latency and
+# a node goes on with the last of those it needs, so the jitter lengthens the reduction on average;
+# the twin took zero-mean noise (7 Dec: 2/0 -5.7 %, 2/19 -5.2 %, 1/9 -3.2 % against the emulated mean)
+JITTERY = [(2, 0, 40), (2, 19, 40), (1, 9, 40)]
+
+
+@pytest.mark.parametrize("seed,index,max_nodes", JITTERY)
+def test_the_links_jitter_lengthens_the_reduction_as_emulated(seed, index, max_nodes):
+    """The twin's quiet reduction plus its expected jitter delay (Topology.jitter_delay_s) is
+    the emulated reduction's mean over 24 jitter streams, and its spread theirs."""
+    import statistics
+    from planner.scenario_gen import generate
+    from twin.topology import Topology
+    sc, _ = generate(seed, index, max_nodes)
+    members = sc.node_names[: sc.training_nodes]
+    active: dict[str, int] = {}
+    for m in members:
+        active[m.rsplit("/", 1)[0]] = active.get(m.rsplit("/", 1)[0], 0) + 1
+    emulated = [_emulated_collective_s(sc, members, key=f"jitter-{k}") for k in range(24)]
+    red = Topology(sc).reduction(active)
+    mean = statistics.mean(emulated)
+    assert red.jitter_delay_s > 0
+    assert red.seconds(wire.scenario_bytes(sc)) + red.jitter_delay_s == pytest.approx(mean, rel=0.015)
+    assert red.jitter_s == pytest.approx(statistics.stdev(emulated), rel=0.5, abs=0.001)
 
 
 # members whose regions differ in speed or chain: each starts its next step as soon as it has its

@@ -93,7 +93,8 @@ class StepCost:
                     spike = max(spike, self.spike_delay(sp, per_region, members=[n for n in c.nodes if is_member(n)]))
         offset = {r: o + spiked.get(r, 0.0) for r, o in offset.items()}
         return StepShape(tuple(sorted((n, base, offset.get(region, 0.0)) for (region, base), n in groups.items())),
-                         p.compute_jitter, p.step_overhead_s + spike, red.latency_s * lat_scale, red.jitter_s,
+                         p.compute_jitter, p.step_overhead_s + spike + red.jitter_delay_s, red.latency_s * lat_scale,
+                         red.jitter_s,
                          self._overlap_s(groups, ends, spiked))
 
     @staticmethod

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import networkx as nx
+import numpy as np
 
 from keel import collective, hardware, wire
 from keel.scenario import Scenario, is_node, region_of
@@ -42,17 +43,20 @@ GBIT = hardware.GBIT
 
 @dataclass(frozen=True, slots=True)
 class ReductionCost:
-    """One all-reduce over a membership: `latency_s + bytes * s_per_byte`, with per-step noise
-    of standard deviation `jitter_s` on the latency (from the links' jitter)."""
+    """One all-reduce over a membership: `latency_s + bytes * s_per_byte` on quiet links; the
+    links' jitter adds `jitter_delay_s` on average with standard deviation `jitter_s`
+    (Topology.jitter_delay_s)."""
     latency_s: float
     s_per_byte: float
     jitter_s: float
+    jitter_delay_s: float = 0.0
 
     def seconds(self, nbytes: float) -> float:
         return self.latency_s + nbytes * self.s_per_byte
 
 
 NO_REDUCTION = ReductionCost(0.0, 0.0, 0.0)
+JITTER_DRAWS = 256  # seeded draws of every message's jitter (Topology.jitter_delay_s)
 
 
 @dataclass(frozen=True)
@@ -131,14 +135,30 @@ class Topology:
         nbytes = max(1.0, float(sum(b for b, _ in rounds)))
         latency = self.collective_s(active, [(0.0, x) for _, x in rounds])
         per_byte = max(0.0, self.collective_s(active, rounds) - latency) / nbytes
-        regions = list(active)
-        jitter = 0.0
-        if len(regions) > 1:
-            ring = self.region_ring(regions)
-            edges = list(zip(ring, ring[1:] + ring[:1]))
-            phases = 2 * (len(ring) - 1)
-            jitter = math.sqrt(phases) * max(self.route(a, b)[2] for a, b in edges)
-        return ReductionCost(latency, per_byte, jitter)
+        delay, jitter = self.jitter_delay_s(active)
+        return ReductionCost(latency, per_byte, jitter, delay)
+
+    def jitter_delay_s(self, active: dict[str, int]) -> tuple[float, float]:
+        """(mean, standard deviation) of what the links' jitter adds to one reduction of the
+        scenario's bytes over `active` (region -> nodes). Each message between regions draws
+        its latency normal around the route's, with the route's jitter as standard deviation
+        (never below zero), as the emulation draws it and as a real network delays packets;
+        a node goes on when the last of the messages it needs has come, so the reduction
+        waits for the slowest of many draws and the links' jitter lengthens it on average,
+        not only spreads it (until 7 Dec the twin took zero-mean noise: sweep member 2/0,
+        its 5 ms links, -5.3 % against the emulated reduction; -0.0 % with the jitter
+        removed from both). By JITTER_DRAWS seeded draws over the reduction's plan at node
+        level (`node_collective_s`), a region's nodes alike."""
+        shape = {r: n for r, n in active.items() if n > 0}
+        if sum(shape.values()) <= 1 or len(shape) < 2:
+            return 0.0, 0.0
+        ring = self.region_ring(list(shape))
+        if not any(self.route(a, b)[2] > 0 for a in ring for b in ring if a != b):
+            return 0.0, 0.0
+        groups = [[f"{r}/{i}" for i in range(shape[r])] for r in ring]
+        times = self.node_collective_s(groups, wire.scenario_rounds(self.scenario), draws=JITTER_DRAWS)
+        extra = times[1:] - times[0]
+        return float(extra.mean()), float(extra.std())
 
     def collective_s(self, active: dict[str, int], nbytes: float | Sequence[tuple[float, bool]], spike: tuple[str, float] | None = None) -> float:
         """Seconds of one hierarchical all-reduce of `nbytes` over `active` (region -> nodes),
@@ -346,22 +366,25 @@ class Topology:
         return got
 
     def node_collective_s(self, groups: Sequence[Sequence[str]], rounds: Sequence[tuple[float, bool]],
-                          spike: tuple[str, float] | None = None) -> float:
+                          spike: tuple[str, float] | None = None, draws: int = 0):
         """The step's all-reduces at node level over the ring `groups` (keel.hardware.ring_members):
         the reduction's own plan (keel.collective), each message costing an intra hop (as
         `_step_costs` gives it) or, across regions, its latency and its transfer shared with the
         step's other messages (`_shared_per_byte`), a latency spike `(node, seconds)` added to
-        the node's messages; every node starting at 0."""
+        the node's messages; every node starting at 0. With `draws`, an array: the time on quiet
+        links, then `draws` times with every message between regions drawing its latency's
+        jitter (the route's, normal, the latency never below zero; seeded, so the same each call)."""
         names = [n for g in groups for n in g]
         costs = self._step_costs({region_of(g[0]): len(g) for g in groups})
         ranks, first = [], 0
         for g in groups:
             ranks.append(tuple(range(first, first + len(g))))
             first += len(g)
-        clock = [0.0] * len(names)
+        rng = np.random.default_rng(0) if draws else None
+        clock = np.zeros((len(names), 1 + draws))
         for nbytes, exchange in rounds:
             for step in collective.plan_for(tuple(ranks), PLAN_LENGTH, exchange):
-                sent = list(clock)
+                sent = clock.copy()
                 intra = step.phase.startswith("intra")
                 shared = [] if intra else self._shared_per_byte(names, step)
                 for i, m in enumerate(step.msgs):
@@ -369,11 +392,17 @@ class Topology:
                     if intra:
                         cost = costs.hop_latency[a] + nbytes * costs.hop_per_byte[a]
                     else:  # its share of the NICs and links the step's messages cross
-                        cost = costs.x_fixed[a, b] + nbytes * shared[i]
+                        latency = costs.x_fixed[a, b]
+                        jitter = self.route(a, b)[2]
+                        if rng is not None and jitter > 0:
+                            latency = np.maximum(0.0, latency + jitter * np.concatenate(
+                                ([0.0], rng.standard_normal(draws))))
+                        cost = latency + nbytes * shared[i]
                     if spike is not None and names[m.src] == spike[0]:
-                        cost += spike[1]
-                    clock[m.dst] = max(clock[m.dst], sent[m.src] + cost)
-        return max(clock, default=0.0)
+                        cost = cost + spike[1]
+                    np.maximum(clock[m.dst], sent[m.src] + cost, out=clock[m.dst])
+        ends = clock.max(axis=0) if len(names) else np.zeros(1 + draws)
+        return ends if draws else float(ends[0])
 
     def _spike_ring(self, node: str, active: dict[str, int], members: Sequence[str] | None) -> list[tuple[str, ...]]:
         """The reduction's ring (keel.hardware.ring_members) over `members`, or, without them,
