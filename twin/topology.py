@@ -57,6 +57,9 @@ class ReductionCost:
 
 NO_REDUCTION = ReductionCost(0.0, 0.0, 0.0)
 JITTER_DRAWS = 256  # seeded draws of every message's jitter (Topology.jitter_delay_s)
+NODE_LEVEL_CAP = 16  # a region's nodes priced one by one up to this many; a larger region as this
+                     # many equal nodes sharing its NICs' capacity (Topology._coarse), so the cost of
+                     # pricing a membership stays bounded on clusters of thousands of nodes
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,13 @@ class Topology:
         self._chain_spike_cache: dict[tuple, dict[str, float]] = {}
         self._chain_cache: dict[tuple, dict[str, dict[str, tuple[float, float]]]] = {}
         self._resource_cache: dict[tuple[str, str], tuple[tuple[tuple, float], ...]] = {}
+        self._jitter_cache: dict[tuple[str, ...], tuple[float, float]] = {}
+        self._step_cache: dict[tuple[tuple[str, int], ...], StepCosts] = {}
+        self._latency_cache: dict[tuple[str, str], float] = {}
+        self._shared_cache: dict[tuple, list[float]] = {}
+        self._trained: dict[str, int] = {r: 0 for r in self.region_names}
+        for n in scenario.node_names[: scenario.training_nodes]:
+            self._trained[region_of(n)] += 1
 
     # -- routing over the links between regions
     def route(self, a: str, b: str) -> tuple[float, tuple[tuple[str, str], ...], float]:
@@ -148,17 +158,26 @@ class Topology:
         not only spreads it (until 7 Dec the twin took zero-mean noise: sweep member 2/0,
         its 5 ms links, -5.3 % against the emulated reduction; -0.0 % with the jitter
         removed from both). By JITTER_DRAWS seeded draws over the reduction's plan at node
-        level (`node_collective_s`), a region's nodes alike."""
-        shape = {r: n for r, n in active.items() if n > 0}
-        if sum(shape.values()) <= 1 or len(shape) < 2:
+        level (`node_collective_s`, a region's nodes alike, `_coarse`), once per set of active
+        regions, each with the nodes the scenario trains on in it: the delay comes from the
+        routes the ring crosses, and a node more or less in a region moves it little."""
+        regions = tuple(r for r in self.region_names if active.get(r, 0) > 0)
+        if sum(active.get(r, 0) for r in regions) <= 1 or len(regions) < 2:
             return 0.0, 0.0
-        ring = self.region_ring(list(shape))
-        if not any(self.route(a, b)[2] > 0 for a in ring for b in ring if a != b):
-            return 0.0, 0.0
-        groups = [[f"{r}/{i}" for i in range(shape[r])] for r in ring]
-        times = self.node_collective_s(groups, wire.scenario_rounds(self.scenario), draws=JITTER_DRAWS)
-        extra = times[1:] - times[0]
-        return float(extra.mean()), float(extra.std())
+        got = self._jitter_cache.get(regions)
+        if got is None:
+            ring = self.region_ring(list(regions))
+            if not any(self.route(a, b)[2] > 0 for a in ring for b in ring if a != b):
+                got = (0.0, 0.0)
+            else:
+                names, _, resources = self._coarse({r: self._trained[r] for r in regions})
+                groups = [[n for n in names if region_of(n) == r] for r in ring]
+                times = self.node_collective_s(groups, wire.scenario_rounds(self.scenario), draws=JITTER_DRAWS,
+                                               resources=resources)
+                extra = times[1:] - times[0]
+                got = (float(extra.mean()), float(extra.std()))
+            self._jitter_cache[regions] = got
+        return got
 
     def collective_s(self, active: dict[str, int], nbytes: float | Sequence[tuple[float, bool]], spike: tuple[str, float] | None = None) -> float:
         """Seconds of one hierarchical all-reduce of `nbytes` over `active` (region -> nodes),
@@ -247,14 +266,61 @@ class Topology:
             got = self._resource_cache[key] = hardware.message_resources(self.scenario, src, dst)
         return got
 
-    def _shared_per_byte(self, names: Sequence[str], step: collective.Step) -> list[float]:
+    def _shared_per_byte(self, names: Sequence[str], step: collective.Step, resources=None) -> list[float]:
         """Per message of a plan step (over PLAN_LENGTH elements, ranks named by `names`): its
         transfer in seconds per byte of the vector, every resource it crosses shared with the
         step's other messages (keel.hardware.shared_transfers_s, the emulation's formula)."""
         return hardware.shared_transfers_s([(names[m.src], names[m.dst], m.length / PLAN_LENGTH) for m in step.msgs],
-                                           self._resources)
+                                           resources or self._resources)
+
+    def _shared_cached(self, names: Sequence[str], exchange: bool, step: collective.Step, resources) -> list[float]:
+        """`_shared_per_byte`, kept per membership and step (a spike is priced with and without)."""
+        key = (tuple(names), exchange, step.index, resources is None)
+        got = self._shared_cache.get(key)
+        if got is None:
+            if len(self._shared_cache) > 4096:
+                self._shared_cache.clear()
+            got = self._shared_cache[key] = self._shared_per_byte(names, step, resources)
+        return got
+
+    def _coarse(self, shape: dict[str, int]):
+        """(node names in ring order, ranks per region, resources) for pricing the reduction
+        over `shape` at node level, a region's nodes alike: up to NODE_LEVEL_CAP nodes a region
+        as they are; a larger region of n as NODE_LEVEL_CAP nodes, each with n / NODE_LEVEL_CAP
+        times a node's NIC (the region injects what its n nodes do, over as many flows as the
+        cap)."""
+        ring = self.region_ring(list(shape))
+        names: list[str] = []
+        ranks: list[tuple[int, ...]] = []
+        factor: dict[str, float] = {}
+        for r in ring:
+            m = min(shape[r], NODE_LEVEL_CAP)
+            factor[r] = shape[r] / m
+            ranks.append(tuple(range(len(names), len(names) + m)))
+            names += [f"{r}/{i}" for i in range(m)]
+        if all(f == 1.0 for f in factor.values()):
+            return names, ranks, self._resources
+
+        def resources(src: str, dst: str) -> tuple[tuple[tuple, float], ...]:
+            return tuple((res, bw * factor[region_of(res[1])] if res[0] in ("tx", "rx") else bw)
+                         for res, bw in self._resources(src, dst))
+        return names, ranks, resources
 
     def _step_costs(self, shape: dict[str, int]) -> "StepCosts":
+        key = tuple((r, n) for r in self.region_names if (n := shape.get(r, 0)) > 0)
+        got = self._step_cache.get(key)
+        if got is None:
+            got = self._step_cache[key] = self._price_steps(dict(key))
+        return got
+
+    def _latency(self, a: str, b: str) -> float:
+        key = (a, b)
+        got = self._latency_cache.get(key)
+        if got is None:
+            got = self._latency_cache[key] = hardware.message_latency_s(self.scenario, a, b)
+        return got
+
+    def _price_steps(self, shape: dict[str, int]) -> "StepCosts":
         """What each step of the hierarchical all-reduce over `shape` (region -> members) costs
         one message, without spikes: inside region r a hop of B / n bytes (intra latency + B / n
         over a node's NIC); across regions, each step of the reduction's own plan
@@ -268,17 +334,14 @@ class Topology:
         ring = self.region_ring(list(shape))
         R = len(ring)
         edges = list(zip(ring, ring[1:] + ring[:1])) if R > 1 else []
-        fixed = {a: hardware.message_latency_s(self.scenario, a, b) for a, b in edges}
+        fixed = {a: self._latency(a, b) for a, b in edges}
         pairs = [(a, b) for a in ring for b in ring if a != b]
-        x_fixed = {(a, b): hardware.message_latency_s(self.scenario, a, b) for a, b in pairs}
-        names, ranks = [], []
-        for r in ring:
-            ranks.append(tuple(range(len(names), len(names) + shape[r])))
-            names += [f"{r}/{i}" for i in range(shape[r])]
+        x_fixed = {(a, b): self._latency(a, b) for a, b in pairs}
+        names, ranks, resources = self._coarse(shape)
 
         def slowest(step: collective.Step) -> dict[tuple[str, str], float]:
             out: dict[tuple[str, str], float] = {}
-            for m, x in zip(step.msgs, self._shared_per_byte(names, step)):
+            for m, x in zip(step.msgs, self._shared_per_byte(names, step, resources)):
                 key = (region_of(names[m.src]), region_of(names[m.dst]))
                 out[key] = max(out.get(key, 0.0), x)
             return out
@@ -366,14 +429,15 @@ class Topology:
         return got
 
     def node_collective_s(self, groups: Sequence[Sequence[str]], rounds: Sequence[tuple[float, bool]],
-                          spike: tuple[str, float] | None = None, draws: int = 0):
+                          spike: tuple[str, float] | None = None, draws: int = 0, resources=None):
         """The step's all-reduces at node level over the ring `groups` (keel.hardware.ring_members):
         the reduction's own plan (keel.collective), each message costing an intra hop (as
         `_step_costs` gives it) or, across regions, its latency and its transfer shared with the
         step's other messages (`_shared_per_byte`), a latency spike `(node, seconds)` added to
         the node's messages; every node starting at 0. With `draws`, an array: the time on quiet
         links, then `draws` times with every message between regions drawing its latency's
-        jitter (the route's, normal, the latency never below zero; seeded, so the same each call)."""
+        jitter (the route's, normal, the latency never below zero; seeded, so the same each call).
+        `resources`: the NICs' and links' bandwidths where not the nodes' own (`_coarse`)."""
         names = [n for g in groups for n in g]
         costs = self._step_costs({region_of(g[0]): len(g) for g in groups})
         ranks, first = [], 0
@@ -381,12 +445,13 @@ class Topology:
             ranks.append(tuple(range(first, first + len(g))))
             first += len(g)
         rng = np.random.default_rng(0) if draws else None
-        clock = np.zeros((len(names), 1 + draws))
+        # one clock per node: a float, or with draws an array (quiet links first, then the draws)
+        clock = [np.zeros(1 + draws) if draws else 0.0 for _ in names]
         for nbytes, exchange in rounds:
             for step in collective.plan_for(tuple(ranks), PLAN_LENGTH, exchange):
-                sent = clock.copy()
+                sent = list(clock)
                 intra = step.phase.startswith("intra")
-                shared = [] if intra else self._shared_per_byte(names, step)
+                shared = [] if intra else self._shared_cached(names, exchange, step, resources)
                 for i, m in enumerate(step.msgs):
                     a, b = region_of(names[m.src]), region_of(names[m.dst])
                     if intra:
@@ -400,9 +465,11 @@ class Topology:
                         cost = latency + nbytes * shared[i]
                     if spike is not None and names[m.src] == spike[0]:
                         cost = cost + spike[1]
-                    np.maximum(clock[m.dst], sent[m.src] + cost, out=clock[m.dst])
-        ends = clock.max(axis=0) if len(names) else np.zeros(1 + draws)
-        return ends if draws else float(ends[0])
+                    clock[m.dst] = np.maximum(clock[m.dst], sent[m.src] + cost) if draws else \
+                        max(clock[m.dst], sent[m.src] + cost)
+        if draws:
+            return np.max(clock, axis=0) if names else np.zeros(1 + draws)
+        return max(clock, default=0.0)
 
     def _spike_ring(self, node: str, active: dict[str, int], members: Sequence[str] | None) -> list[tuple[str, ...]]:
         """The reduction's ring (keel.hardware.ring_members) over `members`, or, without them,
