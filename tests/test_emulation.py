@@ -243,6 +243,22 @@ def test_the_links_jitter_lengthens_the_reduction_as_emulated(seed, index, max_n
     assert red.jitter_s == pytest.approx(statistics.stdev(emulated), rel=0.5, abs=0.001)
 
 
+def test_the_jitter_delay_with_a_region_of_spares_holding_slots():
+    """Member 1/24's spares are a region of their own, which trains nothing at the start: once
+    they take slots the reduction crosses it, and its jitter delay is priced with its nodes."""
+    import math
+    from planner.scenario_gen import generate
+    from twin.topology import Topology
+    sc, _ = generate(1, 24, 40)
+    topo = Topology(sc)
+    active: dict[str, int] = {}
+    for n in sc.node_names:  # every node, the spares' region included
+        active[n.rsplit("/", 1)[0]] = active.get(n.rsplit("/", 1)[0], 0) + 1
+    delay, spread = topo.jitter_delay_s(active)
+    assert math.isfinite(delay) and spread > 0
+    assert topo.reduction(active).jitter_delay_s == delay
+
+
 # members whose regions differ in speed or chain: each starts its next step as soon as it has its
 # own result, so steps that run on are shorter than one from a common start (the twin's step
 # until 6 Dec: 1/6 +9 %, 1/4 +11 %, 1/7 +9 %, 1/10 +11 %)

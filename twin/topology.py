@@ -170,7 +170,8 @@ class Topology:
             if not any(self.route(a, b)[2] > 0 for a in ring for b in ring if a != b):
                 got = (0.0, 0.0)
             else:
-                names, _, resources = self._coarse({r: self._trained[r] for r in regions})
+                # a region that trains nothing at the start (its nodes spares) with all its nodes
+                names, _, resources = self._coarse({r: self._trained[r] or self._regions[r].nodes for r in regions})
                 groups = [[n for n in names if region_of(n) == r] for r in ring]
                 times = self.node_collective_s(groups, wire.scenario_rounds(self.scenario), draws=JITTER_DRAWS,
                                                resources=resources)
