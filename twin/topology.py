@@ -156,7 +156,7 @@ class Topology:
         a node goes on when the last of the messages it needs has come, so the reduction
         waits for the slowest of many draws and the links' jitter lengthens it on average,
         not only spreads it (until 7 Dec the twin took zero-mean noise: sweep member 2/0,
-        its 5 ms links, -5.3 % against the emulated reduction; -0.0 % with the jitter
+        its 5 ms links, -5.7 % against the emulated reduction's mean; +0.1 % with the jitter
         removed from both). By JITTER_DRAWS seeded draws over the reduction's plan at node
         level (`node_collective_s`, a region's nodes alike, `_coarse`), once per set of active
         regions, each with the nodes the scenario trains on in it: the delay comes from the
