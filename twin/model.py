@@ -9,8 +9,7 @@ Where things live in twin/:
 - cost.py: `StepCost`: the step-cost maths (a step's `StepShape`, state copies, checkpoint
   shares) over the cluster, TwinParams and the Topology.
 - steps.py: `StepShape`, drawing a segment's step times, and `Segment`, steps drawn at once;
-  topology.py: the networkx graph and the routed costs (reduction, spike delay, transfers), with
-  messages.py's reduction message by message (shared links, the links' jitter).
+  topology.py (+ messages.py): the networkx graph and the routed costs (reduction, spike delay, transfers).
 - faults.py: `Faults`: fault ids, the schedule, node faults' detection and repair.
 - checkpoints.py: `Checkpoints`: when one is due, its pause, the background write. fault_kinds/: each class's
   strike and arrivals (coordinator_loss.py: also what the loss does to the trainer, a mixin of `Simulation`;
