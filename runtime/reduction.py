@@ -328,6 +328,30 @@ class Waiter:
 _DEFAULT_WAITER = Waiter()
 
 
+def run_watched(fn: Callable[[], None], should_abort: Callable[[], bool], name: str = "watched",
+                poll_s: float = 0.005) -> None:
+    """Run `fn` on a daemon thread of its own and wait for it here, raising `Aborted` as soon as
+    `should_abort()` holds (what `fn` raised, otherwise): for work that blocks its thread and
+    cannot be interrupted (gloo's lazy connect, a store wait). A thread left behind ends
+    with its own timeout."""
+    done = threading.Event()
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            error.append(e)
+        finally:
+            done.set()
+    threading.Thread(target=target, daemon=True, name=name).start()
+    while not done.wait(poll_s):
+        if should_abort():
+            raise Aborted()
+    if error:
+        raise error[0]
+
+
 def wait_work(work, should_abort: Callable[[], bool], waiter: Waiter | None = None) -> None:
     """Wait on async collective work while watching for the coordinator's abort; raises
     `Aborted`, or `CollectiveError` if the collective failed."""

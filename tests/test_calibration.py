@@ -99,6 +99,7 @@ def test_the_coordinator_dies_with_every_trained_node_in_the_group():
     assert at["hardware_fault"] < at["coordinator_loss"] < at["partial_cluster_loss"] < sc.run.steps
     assert at["partial_cluster_loss"] - at["coordinator_loss"] >= FAULT_GAP_STEPS
     assert sc.run.steps - at["partial_cluster_loss"] >= 4
+    assert sc.policy.straggler_window > sc.run.steps  # no straggler moves next to a measured re-form
 
 
 def test_fit_pools_the_runs_samples():

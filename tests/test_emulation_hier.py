@@ -148,3 +148,45 @@ def test_abort_releases_a_rank_waiting_on_an_absent_peer():
     out = _run_group([[0, 1], [2]], 64, "sum", abort_at=2)
     assert out[2][0] == "absent"
     assert out[0][0] == "aborted" and out[1][0] == "aborted"
+
+
+def test_connecting_to_a_member_that_never_formed_the_group_leaves_at_the_abort():
+    """gloo connects a pair lazily, and the connect waits in the store for the peer's address on
+    the thread that posts the first message, up to the group's timeout (120 s). A member that saw
+    a generation's abort before its announcement never forms that group and publishes none: the
+    reduction's pairs, connected as the generation forms (EmulatedComms.connect), must leave at
+    the abort all the same. Posted on the training thread, they did not, and the members still
+    forming the group were lost for not leaving it (sweep member 3/8, 7 Dec)."""
+    import datetime
+    import socket
+    import threading
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from keel.scenario import load
+    from runtime.emulation.worker import EmulatedComms
+    from runtime.groups import GroupFactory
+    from runtime.reduction import Aborted, Layout, SlotReducer, Waiter, reduction_format
+    sc = load(Path(__file__).resolve().parents[1] / "scenarios" / "multiregion-12.toml")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60))
+    pg = GroupFactory("gloo", "127.0.0.1", port, "127.0.0.1").make(0, 0, 2)  # lazily connected, as a worker's
+    waiter = Waiter()
+    comms = EmulatedComms(sc, None, waiter)
+    comms.reducer = SlotReducer(Layout((10, 1)), sc.slot_count, "cpu", waiter, collective=comms.collective,
+                                fmt=reduction_format(sc))
+    members = [f"{sc.regions[0].name}/0", f"{sc.regions[1].name}/0"]  # rank 1 never forms its group
+    comms.generation(0, 0, members)
+    t0 = time.monotonic()
+    with pytest.raises(Aborted):
+        comms.connect(pg, lambda: time.monotonic() > t0 + 0.5)
+    assert time.monotonic() - t0 < 10, "sat out the store's wait for the absent member's address"
+    late = GroupFactory("gloo", "127.0.0.1", port, "127.0.0.1").make(0, 1, 2)  # its address at last: the
+    for t in [t for t in threading.enumerate() if t.name == "pair-connect"]:  # connect left behind ends
+        t.join(10)
+        assert not t.is_alive()
+    del late
+    del server

@@ -81,13 +81,6 @@ class Topology(MessageLevel):
         self.graph = build_graph(scenario)
         self.region_names = [r.name for r in scenario.regions]
         self._regions = {r.name: r for r in scenario.regions}
-        # built in scenario order: a subgraph's copy follows a set's (hash-seeded) order, and
-        # equal-latency routes would then tie-break differently from one process to the next
-        names = set(self.region_names)
-        self._region_graph = nx.Graph()
-        self._region_graph.add_nodes_from((r, self.graph.nodes[r]) for r in self.region_names)
-        self._region_graph.add_edges_from((a, b, d) for a, b, d in self.graph.edges(data=True)
-                                          if a in names and b in names)
         self._route_cache: dict[tuple[str, str], tuple[float, tuple[tuple[str, str], ...], float]] = {}
         self._ring_cache: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._cost_cache: dict[tuple[tuple[str, int], ...], ReductionCost] = {}

@@ -299,8 +299,10 @@ class Coordinator:
             if not st.pending_acks:
                 generations.next_generation(self)
             elif now > st.abort_deadline:
-                for n in sorted(st.pending_acks):
-                    faults.lost(self, st.workers[n], "did not leave the aborted generation in time")
+                for n in sorted(st.pending_acks):  # where it said it was: what held it
+                    w = st.workers[n]
+                    faults.lost(self, w, "did not leave the aborted generation in time"
+                                + (f" (its last heartbeat: {w.at})" if w.at else ""))
         stall = max(STALL_MIN_S, 20 * self.policy.detect_timeout_s)
         if st.phase in (Phase.RUNNING, Phase.ABORTING, Phase.FINISHING) and now - st.last_progress > stall:
             st.failure = self._stall(stall)

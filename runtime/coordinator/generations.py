@@ -135,6 +135,7 @@ def announce(c: Coordinator, *, load: str | None, start: int, force_broadcast: b
     if start >= c.total:
         # a generation formed after the last step (a straggler moving back, a loss at the
         # very end): its members only sync state and report done; nothing is left to run
+        _adopt_steps(c)
         _end_due_episodes(c, None)
         st.enter(Phase.FINISHING)
         check_finished(c)
@@ -144,8 +145,9 @@ def announce(c: Coordinator, *, load: str | None, start: int, force_broadcast: b
 
 
 def next_generation(c: Coordinator) -> None:
-    """The aborted generation's members have all left it: plan the next (planning.py), commit
-    what a survivor committed before the abort, say where slots moved, announce it."""
+    """The aborted generation's members have all left it: plan the next (planning.py), say
+    where slots moved, announce it. It starts from the newest step a survivor committed,
+    committed in turn once every member holds it (adopt)."""
     st = c.state
     plan = plan_generation(view(c))
     st.to_park, st.to_unpark = {}, {}
@@ -157,14 +159,12 @@ def next_generation(c: Coordinator) -> None:
     if plan.failure:
         st.failure = plan.failure
         return
-    # a step that some survivor committed before the abort is committed now
-    while st.committed < plan.start:
-        k = st.committed + 1
-        reps = st.reports.get(k, {})
-        if not reps:
-            st.failure = f"step {k} committed by a survivor but its report is missing"
-            return
-        commit(c, k, next(iter(reps.values()))["loss"], {}, check=False)
+    # a step that some survivor committed before the abort starts the next generation; it is
+    # committed once every member holds it (adopt)
+    missing = [k for k in range(st.committed + 1, plan.start + 1) if not st.reports.get(k)]
+    if missing:
+        st.failure = f"step {missing[0]} committed by a survivor but its report is missing"
+        return
     slot_map = plan.slot_map
     for fid, mv in sorted(plan.moves.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
         ep = st.book.get(fid)
@@ -182,6 +182,28 @@ def next_generation(c: Coordinator) -> None:
 
 # ----------------------------------------------------------------------------- commits
 
+def adopt(c: Coordinator) -> None:
+    """Once every member of the generation is ready (it holds the state the generation starts
+    from), commit the steps up to its start that a survivor of the last one committed alone
+    before the abort. Committed when announced, they were lost with that survivor if it was
+    lost before it had sent them on, and the run failed with the state of a step it had
+    committed gone (a partition of the one worker ahead, right after a coordinator's failover:
+    tests/test_job_examples.py, 7 Dec); not yet committed, the generation after starts from
+    the newest step a live worker holds."""
+    st = c.state
+    if (st.phase == Phase.RUNNING and st.committed < st.gen_start_step
+            and all(st.workers[m].ready_gen >= st.gen for m in st.members)):
+        _adopt_steps(c)
+        try_commit(c)
+
+
+def _adopt_steps(c: Coordinator) -> None:
+    st = c.state
+    while st.committed < st.gen_start_step:
+        k = st.committed + 1
+        commit(c, k, next(iter(st.reports[k].values()))["loss"], {}, check=False, adopted=True)
+
+
 def try_commit(c: Coordinator) -> None:
     st = c.state
     while st.phase == Phase.RUNNING:
@@ -196,13 +218,16 @@ def try_commit(c: Coordinator) -> None:
         commit(c, k, reps[st.members[0]]["loss"], reps)
 
 
-def commit(c: Coordinator, k: int, loss: float, reps: dict[str, dict], check: bool = True) -> None:
+def commit(c: Coordinator, k: int, loss: float, reps: dict[str, dict], check: bool = True,
+           adopted: bool = False) -> None:
+    """Commit step k. `adopted`: a step of the last generation's (adopt), which ends only the
+    episodes due at that step, not those the current generation's first commit ends."""
     st = c.state
     now = c.now()
     # catching up on steps a survivor committed before an abort is not a clean interval
     pace_ok = check and st.last_event_was_commit and st.last_commit_t is not None
-    if _end_due_episodes(c, k):  # recover_end just before the commit that ends the episode
-        pace_ok = False
+    if _end_due_episodes(c, k, st.gen - 1 if adopted else None):  # recover_end just before the commit
+        pace_ok = False                                             # that ends the episode
     st.committed = k
     st.losses[k] = loss
     c.emit("step", loss=loss, gen=st.gen)
@@ -217,7 +242,7 @@ def commit(c: Coordinator, k: int, loss: float, reps: dict[str, dict], check: bo
         st.enter(Phase.FINISHING)
         check_finished(c)
         return
-    faults.fire_due(c, after_announce=False)
+    faults.fire_due(c, after_announce=adopted)
 
 
 def check_finished(c: Coordinator) -> None:
@@ -232,9 +257,9 @@ def check_finished(c: Coordinator) -> None:
         st.enter(Phase.FINISHED)
 
 
-def _end_due_episodes(c: Coordinator, k: int | None) -> bool:
-    """End every episode whose recovery is complete at this generation (or at step k)."""
-    due = c.state.book.due(c.state.gen, k, c.now())
+def _end_due_episodes(c: Coordinator, k: int | None, gen: int | None = None) -> bool:
+    """End every episode whose recovery is complete at this generation (or `gen`), or at step k."""
+    due = c.state.book.due(c.state.gen if gen is None else gen, k, c.now())
     for ep in due:
         c.end_episode(ep)
     return bool(due)

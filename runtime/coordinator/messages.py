@@ -52,6 +52,7 @@ def on_ready(c: Coordinator, w: WorkerState, msg: dict) -> None:
     t["state_s"] = max(t.get("state_s", 0.0), float(msg["state_s"]))
     t["ready"] = c.now()
     w.ready_gen = max(w.ready_gen, int(msg["gen"]))
+    generations.adopt(c)
 
 
 def on_nonfinite(c: Coordinator, w: WorkerState, msg: dict) -> None:

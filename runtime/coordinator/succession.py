@@ -5,9 +5,9 @@ dead one's `recover`; the Coordinator restores the state from the snapshot (snap
 A successor restores the dead one's state (snapshot.py), opens the `coordinator_loss` episode
 (or carries on the one the injection opened: fault -> detect -> recover_start), and then:
 - under `absorb`, ends the generation as if aborted: every live member rejoins (worker_link.py),
-  sends again the step reports not yet committed, leaves its generation and says so; the steps
-  some member committed are committed and the next generation is announced, on the same slot
-  map unless someone was lost meanwhile. A member that does not rejoin in time is lost, as
+  sends again the step reports not yet committed, leaves its generation and says so; the next
+  generation is announced from the newest step some member committed (committed once every
+  member holds it: generations.adopt), on the same slot map unless someone was lost meanwhile. A member that does not rejoin in time is lost, as
   one that does not leave an aborted generation always is. The episode ends at the new
   generation's first commit (its `ack_s`: from the death to that announcement).
 - under `checkpoint_restart`, relaunches every worker from the newest checkpoint, as torchrun

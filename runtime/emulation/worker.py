@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.reduction import Waiter, run_watched
+
 
 def warm_up(job) -> None:
     """Emulated: one forward and backward pass before joining, so the first step's compute
@@ -45,16 +47,27 @@ class EmulatedComms:
 
     def connect(self, pg, should_abort) -> None:
         """gloo connects a pair lazily, on its first message; the reduction's pairs are
-        connected here, with the group (real formation work), instead of inside the first step."""
+        connected here, with the group (real formation work), instead of inside the first step.
+        A lazy connect waits in the store for the peer's address on the thread that posts the
+        message, up to the group's timeout, and a peer that never formed this generation's
+        group (it saw the generation's abort before its announcement, or died) publishes none:
+        so the connects run on a thread of their own while this one watches for the abort
+        (reduction.run_watched). Posted here, they sat out 120 s unaborted, and the members
+        still forming the group were lost for not leaving it (sweep member 3/8, 7 Dec)."""
         from runtime.emulation import hier
         r = self.reducer
         vectors = [(n, r.dtype if op == "sum" else torch.uint8) for op, n, _ in r.wire_rounds()]
         if r.block is None:
             vectors.append((r.layout.segments + 1, torch.float32))  # the int64 format's fallback maxima
-        for k, (length, dtype) in enumerate(vectors):
-            plan = hier.plan_for(self._ring_ranks(), length, dtype == torch.uint8)
-            hier.run_plan(pg, self.rank, plan, torch.zeros(length, dtype=dtype),
-                          "sum", 0.0, lambda step, msg, t: 0.0, should_abort, self.waiter, tag_base=(8 + k) * 4096)
+        ring, rank = self._ring_ranks(), self.rank
+
+        def pairs() -> None:
+            waiter = Waiter()  # its own: the worker's is the training thread's
+            for k, (length, dtype) in enumerate(vectors):
+                plan = hier.plan_for(ring, length, dtype == torch.uint8)
+                hier.run_plan(pg, rank, plan, torch.zeros(length, dtype=dtype),
+                              "sum", 0.0, lambda step, msg, t: 0.0, should_abort, waiter, tag_base=(8 + k) * 4096)
+        run_watched(pairs, should_abort, name="pair-connect")
 
     def collective(self, pg, t: torch.Tensor, op: str, should_abort) -> torch.Tensor:
         """One all-reduce of the emulated cluster: the hierarchical plan over this generation's
