@@ -52,7 +52,8 @@ def profile(scenario, steps: int = 3, device: str | None = None, tmp_dir: str | 
     from runtime import checkpoint as ck
     from runtime.job_check import check_job
     from runtime.job_run import BoundJob, load_spec
-    from runtime.reduction import Layout, SlotReducer, Waiter, moment_bounds, reduction_format
+    from runtime.reduction import Layout, SlotReducer, moment_bounds, reduction_format
+    from runtime.waiting import Waiter
 
     device = device or os.environ.get("KEEL_DEVICE", "cpu")
     check_job(scenario)

@@ -32,7 +32,8 @@ from runtime.emulation.worker import EmulatedComms, warm_up
 from runtime.groups import PG_TIMEOUT, WILDCARDS, GroupFactory
 from runtime.inject import CommGate, kill_self, poisoned_at
 from runtime.protocol import COORDINATOR_SILENCE_S, EXIT_COORDINATOR_LOST, SECRET_ENV, ProtocolError, env_secret, parse_address
-from runtime.reduction import Aborted, CollectiveError, Layout, SlotReducer, Waiter, moment_bounds, reduction_format
+from runtime.reduction import Layout, SlotReducer, moment_bounds, reduction_format
+from runtime.waiting import Aborted, CollectiveError, Waiter
 from runtime.worker_checkpoint import Checkpoints
 from runtime.worker_link import CoordinatorLink, Refused, handshake, hold_commit, rejoin
 from runtime.worker_state import load_checkpoint, transfer_state

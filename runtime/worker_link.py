@@ -164,7 +164,7 @@ def hold_commit(w, step: int, should_abort: Callable[[], bool]) -> None:
     """Commit `step` only once the coordinator has confirmed enough (CoordinatorLink.may_commit):
     wait for its word, or for the generation's abort. A coordinator that stays silent ends
     this process from the reader thread after `silence_s`, the step uncommitted."""
-    from runtime.reduction import Aborted
+    from runtime.waiting import Aborted
     t0 = time.monotonic()
     said = False
     while not w.chan.may_commit(step):

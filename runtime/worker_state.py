@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.reduction import broadcast
+from runtime.waiting import broadcast
 
 
 def state_blob(optimizer, model, extra) -> bytes:

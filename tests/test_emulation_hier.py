@@ -74,7 +74,7 @@ def test_clocks_by_hand():
 
 def _worker(rank, world, port, regions, length, op, abort_at, q):
     import torch.distributed as dist
-    from runtime.reduction import Aborted
+    from runtime.waiting import Aborted
     try:
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=__import__("datetime").timedelta(seconds=60))
         opts = dist.ProcessGroupGloo._Options()
@@ -150,7 +150,7 @@ def test_abort_releases_a_rank_waiting_on_an_absent_peer():
     assert out[0][0] == "aborted" and out[1][0] == "aborted"
 
 
-def test_connecting_to_a_member_that_never_formed_the_group_leaves_at_the_abort():
+def test_connecting_to_a_member_that_never_formed_the_group_leaves_at_the_abort(monkeypatch):
     """gloo connects a pair lazily, and the connect waits in the store for the peer's address on
     the thread that posts the first message, up to the group's timeout (120 s). A member that saw
     a generation's abort before its announcement never forms that group and publishes none: the
@@ -167,12 +167,15 @@ def test_connecting_to_a_member_that_never_formed_the_group_leaves_at_the_abort(
     from keel.scenario import load
     from runtime.emulation.worker import EmulatedComms
     from runtime.groups import GroupFactory
-    from runtime.reduction import Aborted, Layout, SlotReducer, Waiter, reduction_format
+    from runtime.reduction import Layout, SlotReducer, reduction_format
+    from runtime.waiting import Aborted, Waiter
     sc = load(Path(__file__).resolve().parents[1] / "scenarios" / "multiregion-12.toml")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60))
+    import runtime.groups
+    monkeypatch.setattr(runtime.groups, "PG_TIMEOUT", datetime.timedelta(seconds=3))  # so the connect left behind ends soon
     pg = GroupFactory("gloo", "127.0.0.1", port, "127.0.0.1").make(0, 0, 2)  # lazily connected, as a worker's
     waiter = Waiter()
     comms = EmulatedComms(sc, None, waiter)
@@ -184,9 +187,7 @@ def test_connecting_to_a_member_that_never_formed_the_group_leaves_at_the_abort(
     with pytest.raises(Aborted):
         comms.connect(pg, lambda: time.monotonic() > t0 + 0.5)
     assert time.monotonic() - t0 < 10, "sat out the store's wait for the absent member's address"
-    late = GroupFactory("gloo", "127.0.0.1", port, "127.0.0.1").make(0, 1, 2)  # its address at last: the
-    for t in [t for t in threading.enumerate() if t.name == "pair-connect"]:  # connect left behind ends
-        t.join(10)
+    for t in [t for t in threading.enumerate() if t.name == "pair-connect"]:  # the connect left behind ends
+        t.join(60)                                                              # with the group's own timeout
         assert not t.is_alive()
-    del late
     del server

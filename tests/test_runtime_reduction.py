@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from runtime.reduction import (Aborted, CollectiveError, Layout, Waiter, decode, encode, encode_bounded,
-                               local_maxima, reduce_local, shifts)
+from runtime.reduction import Layout, decode, encode, encode_bounded, local_maxima, reduce_local, shifts
+from runtime.waiting import Aborted, CollectiveError, Waiter
 
 
 def _slots(n_slots: int, sizes: tuple[int, ...], seed: int = 0, spread: float = 8.0) -> list[torch.Tensor]:

@@ -41,7 +41,7 @@ from typing import Callable, Sequence
 import torch
 
 from keel.collective import Msg, Step, _chunks, build_plan, plan_for  # noqa: F401 (the plan is keel's)
-from runtime.reduction import CollectiveError, wait_work
+from runtime.waiting import CollectiveError, wait_work
 
 HEADER = 8  # bytes: the float64 arrival time in front of every payload
 

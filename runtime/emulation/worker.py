@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.reduction import Waiter, run_watched
+from runtime.waiting import Waiter, run_watched
 
 
 def warm_up(job) -> None:
@@ -52,7 +52,7 @@ class EmulatedComms:
         message, up to the group's timeout, and a peer that never formed this generation's
         group (it saw the generation's abort before its announcement, or died) publishes none:
         so the connects run on a thread of their own while this one watches for the abort
-        (reduction.run_watched). Posted here, they sat out 120 s unaborted, and the members
+        (waiting.run_watched). Posted here, they sat out 120 s unaborted, and the members
         still forming the group were lost for not leaving it (sweep member 3/8, 7 Dec)."""
         from runtime.emulation import hier
         r = self.reducer
