@@ -10,7 +10,8 @@ on the same inputs and checks they decide the same.
   `workload.step_compute_s / speed` whatever its `gpus_per_node` (which the scenario already
   folds into those two figures); a region's capacity is the sum over its live nodes.
 - The straggler rule (`is_straggler` on a measured time per slot, `straggler_excess_s` on a
-  predicted delay per slot: one inequality in the form each side has; `probe_recovered`).
+  predicted delay per slot: one inequality in the form each side has; `probe_recovered`),
+  each worker judged against its own pace (`own_pace_s`: the median nominal pace over its speed).
 - `state_source_region`: where the state comes from for members that are behind (a spare
   taking over, a node coming back).
 - `resolve_schedule`: each scheduled fault with its class's parameters filled in (and a
@@ -192,9 +193,26 @@ def state_source_region(regions_with_state: Sequence[str], receiver_regions: Seq
 
 # ----------------------------------------------------------------------------- stragglers
 
+# A worker is judged against its own pace: the median over the members of their per-slot
+# times at nominal speed (each times its region's `speed`), over the worker's speed. A node of
+# a slow region is slow by design, not a straggler: judged against the raw median, one of a
+# region at speed 0.8 with 5 % compute jitter crossed a factor of 1.3 about one step in five,
+# and its slots moved away and back at once, each move aborting a step (sweep member 3/8, 7 Dec).
+
+def nominal_per_slot_s(per_slot_s: float, speed: float) -> float:
+    """A worker's measured time per slot at nominal speed (`speed` 1)."""
+    return per_slot_s * speed
+
+
+def own_pace_s(nominal_median_s: float, speed: float) -> float:
+    """What a slot takes on a worker of `speed` at the members' median nominal pace: the
+    `median_per_slot_s` the rule below judges that worker against."""
+    return nominal_median_s / speed
+
+
 def is_straggler(per_slot_s: float, median_per_slot_s: float, factor: float) -> bool:
-    """A worker whose per-slot time to reach the collective is over `factor` x the median and
-    over the median by STRAGGLER_MIN_EXCESS_S."""
+    """A worker whose per-slot time to reach the collective is over `factor` x its own pace
+    (`own_pace_s`) and over it by STRAGGLER_MIN_EXCESS_S."""
     return per_slot_s > factor * median_per_slot_s and per_slot_s - median_per_slot_s > STRAGGLER_MIN_EXCESS_S
 
 

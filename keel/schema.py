@@ -185,6 +185,11 @@ class Scenario:
         return [f"{r.name}/{i}" for r in self.regions for i in range(r.nodes)]
 
     @property
+    def node_speeds(self) -> dict[str, float]:
+        """Each node's compute speed: its region's."""
+        return {f"{r.name}/{i}": r.speed for r in self.regions for i in range(r.nodes)}
+
+    @property
     def total_nodes(self) -> int:
         return sum(r.nodes for r in self.regions)
 

@@ -160,12 +160,13 @@ def test_a_spike_that_made_no_straggler_ends_with_the_spike():
 def test_the_straggler_watch_survives_a_snapshot_by_name():
     """A successor's watch (snapshot.py) is the dead coordinator's, field by field."""
     import json
-    watch = StragglerWatch(1.5, 3)
+    speeds = {"a": 1.0, "b": 0.8, "c": 1.25}
+    watch = StragglerWatch(1.5, 3, speeds)
     for _ in range(2):
-        watch.judge({"a": {"ready_s": 0.1, "slots": 1}, "b": {"ready_s": 0.1, "slots": 1},
+        watch.judge({"a": {"ready_s": 0.1, "slots": 1}, "b": {"ready_s": 0.125, "slots": 1},
                      "c": {"ready_s": 0.5, "slots": 1}}, True)
     watch.probe("c", 0.0)
-    back = StragglerWatch.restored(1.5, 3, json.loads(json.dumps(watch.state())))
+    back = StragglerWatch.restored(1.5, 3, speeds, json.loads(json.dumps(watch.state())))
     assert back == watch and back.slow["c"] == 2 and back.ok_probes["c"] == 1
 
 

@@ -105,6 +105,32 @@ def test_the_straggler_rule_in_the_form_each_side_uses():
                 assert watch.judge(reps, may_park=False)[-1].slow == twin_says
 
 
+def test_the_straggler_rule_judges_each_worker_against_its_own_speed():
+    """On a cluster of mixed speeds each side judges a worker against its own pace: the runtime
+    the measured time per slot against the median nominal pace over the worker's speed, the
+    twin a spike's delay per slot against straggler_excess_s of the slot's compute on that node.
+    A node slow by its region's speed is no straggler (sweep member 3/8, 7 Dec: a node of a
+    region at speed 0.8, factor 1.3, 5 % compute jitter, judged against the raw median: parked
+    and back at once, three times a run)."""
+    from keel.recovery import own_pace_s, straggler_excess_s
+    from runtime.coordinator.stragglers import StragglerWatch
+    nominal = 0.5
+    for speed in (0.5, 0.8, 1.0, 1.25, 2.0):
+        for factor in (1.3, 1.5, 2.0):
+            for extra in (0.0, 0.03, 0.1, 0.2, 0.4, 1.0):
+                twin_says = extra > straggler_excess_s(own_pace_s(nominal, speed), factor)
+                watch = StragglerWatch(factor=factor, window=1, speeds={"a": 1.0, "b": 1.25, "c": 1.0, "d": speed})
+                reps = {"a": {"ready_s": nominal, "slots": 1}, "b": {"ready_s": 2 * nominal / 1.25, "slots": 2},
+                        "c": {"ready_s": nominal, "slots": 1},
+                        "d": {"ready_s": 2 * (nominal / speed + extra), "slots": 2}}
+                assert {v.node: v.slow for v in watch.judge(reps, may_park=False)} == \
+                    {"a": False, "b": False, "c": False, "d": twin_says}, (speed, factor, extra)
+    # the member of 3/8: 5 % over its own pace at speed 0.8 is not slow, a factor of 1.3 over the raw median
+    watch = StragglerWatch(factor=1.3, window=1, speeds={"a": 1.0, "b": 1.0, "c": 0.8})
+    reps = {"a": {"ready_s": 1.0, "slots": 1}, "b": {"ready_s": 1.0, "slots": 1}, "c": {"ready_s": 1.05 / 0.8, "slots": 1}}
+    assert not any(v.slow or v.park for v in watch.judge(reps, may_park=True))
+
+
 @pytest.mark.timeout(180)
 def test_actions_for_jitter_under_restart_and_a_bad_shard_without_quarantine(tmp_path):
     """Failed before: under checkpoint_restart the runtime labelled a spike backpressure_reslot

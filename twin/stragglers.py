@@ -94,10 +94,11 @@ class Stragglers:
     def _watch(self, fid: int) -> None:
         """The runtime's straggler detection: a spiked worker is slow when its per-slot time to
         reach the collective (its compute + the gate's delay, over its slots) exceeds
-        straggler_factor x the median (a healthy slot's compute) and the median by
-        STRAGGLER_MIN_EXCESS_S (keel.recovery.straggler_excess_s); `detect` at the first slow
-        commit, the move after straggler_window slow steps; the first STRAGGLER_WARMUP_STEPS of
-        a generation are not judged."""
+        straggler_factor x its own pace (a healthy slot's compute on it: keel.recovery.own_pace_s
+        of the nominal slot's) and that pace by STRAGGLER_MIN_EXCESS_S
+        (keel.recovery.straggler_excess_s); `detect` at the first slow commit, the move after
+        straggler_window slow steps; the first STRAGGLER_WARMUP_STEPS of a generation are not
+        judged."""
         sim = self.sim
         if not sim.absorb:
             return
@@ -108,10 +109,9 @@ class Stragglers:
         # the runtime measures the time to reach the collective: the compute plus the gate's
         # own delay (the spike), not what the spike then costs the collective
         delay = sp.spike_s
-        med = self.params.slot_compute_s
         p = self.policy
-        excess = max(delay / n.slots for n in holders)
-        if delay <= 0 or excess <= R.straggler_excess_s(med, p.straggler_factor):
+        if delay <= 0 or not any(delay / n.slots > R.straggler_excess_s(R.own_pace_s(self.params.slot_compute_s, n.speed),
+                                                                         p.straggler_factor) for n in holders):
             return
         first = sim.committed + 1 + (1 if sim.carry_s is not None and not sp.in_flight else 0)
         first = max(first, R.first_judged_step(sim.gen_start))

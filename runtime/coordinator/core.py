@@ -88,7 +88,8 @@ class Coordinator:
         self.log = EventLog(self.out / "events.jsonl")
         self.events_start = len(self.log.events)
         self.state = CoordinatorState(
-            t0=time.monotonic(), watch=StragglerWatch(self.policy.straggler_factor, self.policy.straggler_window),
+            t0=time.monotonic(),
+            watch=StragglerWatch(self.policy.straggler_factor, self.policy.straggler_window, scenario.node_speeds),
             pid_history={n: [] for n in self.nodes}, emu_stats=dict(EMU_STATS))
         self.bar = None
         self.sup = SupervisorLink(link)

@@ -111,7 +111,8 @@ def restore(c: Any, state: dict[str, Any]) -> CoordinatorState:
         **{k: state[k] for k in _PLAIN if k != "phase"}, phase=Phase(state["phase"]),
         quarantine=set(state["quarantine"]), intervals=[tuple(x) for x in state["intervals"]],
         gen_t={int(g): t for g, t in state["gen_t"].items()}, book=book,
-        watch=StragglerWatch.restored(c.policy.straggler_factor, c.policy.straggler_window, state["watch"]),
+        watch=StragglerWatch.restored(c.policy.straggler_factor, c.policy.straggler_window, c.sc.node_speeds,
+                                     state["watch"]),
         workers={n: WorkerState(node=n, last_seen=now + REJOIN_GRACE_S, **{k: x[k] for k in _WORKER_FIELDS})
                  for n, x in state["workers"].items()})
     events = run_events(c.log.path)

@@ -15,7 +15,7 @@ class Verdict:
     node: str
     slow: bool
     per_slot_s: float
-    median_per_slot_s: float
+    median_per_slot_s: float  # the pace it was judged against: the median nominal pace over its speed
     park: bool = False   # slow for straggler_window steps in a row: park it (the watch stops here)
 
 
@@ -23,7 +23,8 @@ class Verdict:
 class StragglerWatch:
     factor: float
     window: int
-    median_per_slot: float | None = None                  # smoothed median seconds per slot
+    speeds: Mapping[str, float] = field(default_factory=dict)  # member -> its region's speed (1.0 if absent)
+    median_per_slot: float | None = None                  # smoothed median seconds per slot at nominal speed
     per_slot: dict[str, float] = field(default_factory=dict)  # smoothed, per worker
     slow: dict[str, int] = field(default_factory=dict)         # slow steps in a row
     ok_probes: dict[str, int] = field(default_factory=dict)    # good probes in a row, while parked
@@ -34,9 +35,12 @@ class StragglerWatch:
                 "slow": dict(self.slow), "ok_probes": dict(self.ok_probes)}
 
     @classmethod
-    def restored(cls, factor: float, window: int, state: dict) -> StragglerWatch:
-        return cls(factor, window, median_per_slot=state["median_per_slot"], per_slot=dict(state["per_slot"]),
+    def restored(cls, factor: float, window: int, speeds: Mapping[str, float], state: dict) -> StragglerWatch:
+        return cls(factor, window, speeds, median_per_slot=state["median_per_slot"], per_slot=dict(state["per_slot"]),
                    slow=dict(state["slow"]), ok_probes=dict(state["ok_probes"]))
+
+    def speed(self, member: str) -> float:
+        return self.speeds.get(member, 1.0)
 
     def new_generation(self, members: list[str]) -> None:
         for m in members:
@@ -45,28 +49,30 @@ class StragglerWatch:
     def judge(self, reports: Mapping[str, Mapping], may_park: bool) -> list[Verdict]:
         """One committed step's reports ({member: {"ready_s", "slots"}}): a member is slow
         when its seconds per slot to reach the collective break keel.recovery.is_straggler
-        against the median; the first member slow `window` steps in a row is parked (if
-        `may_park`), and members after it are not judged this step."""
+        against its own pace (the median nominal pace over its speed, keel.recovery.own_pace_s);
+        the first member slow `window` steps in a row is parked (if `may_park`), and members
+        after it are not judged this step."""
         per = {m: float(r["ready_s"]) / max(1, int(r["slots"])) for m, r in reports.items()}
         if len(per) < 2:
             return []
-        med = statistics.median(per.values())
+        med = statistics.median(R.nominal_per_slot_s(v, self.speed(m)) for m, v in per.items())
         self.median_per_slot = med if self.median_per_slot is None else 0.8 * self.median_per_slot + 0.2 * med
         out = []
         for m, v in per.items():
             prev = self.per_slot.get(m)
             self.per_slot[m] = v if prev is None else 0.7 * prev + 0.3 * v
-            slow = R.is_straggler(v, med, self.factor)
+            pace = R.own_pace_s(med, self.speed(m))
+            slow = R.is_straggler(v, pace, self.factor)
             self.slow[m] = R.in_a_row(self.slow.get(m, 0), slow)
             park = slow and may_park and R.window_full(self.slow[m], self.window)
-            out.append(Verdict(m, slow, v, med, park))
+            out.append(Verdict(m, slow, v, pace, park))
             if park:
                 break
         return out
 
     def probe(self, node: str, probe_s: float) -> bool:
         """A parked straggler's probe of its path; True once `window` in a row were good."""
-        good = R.probe_recovered(probe_s, self.median_per_slot or 0.0, self.factor)
+        good = R.probe_recovered(probe_s, R.own_pace_s(self.median_per_slot or 0.0, self.speed(node)), self.factor)
         self.ok_probes[node] = R.in_a_row(self.ok_probes.get(node, 0), good)
         return R.window_full(self.ok_probes[node], self.window)
 
