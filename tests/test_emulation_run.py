@@ -154,3 +154,38 @@ def test_a_relaunch_gives_a_crashed_machine_s_place_to_the_spare(tmp_path):
         {"at_step": 11, "class": "hardware_fault", "target": "a/0"}])
     assert summary["restarts"] == 2 and {"a/0", spare} <= set(summary["slot_map"]) and "a/1" not in summary["slot_map"]
     assert len(summary["pids"]["a/0"]) == 3
+
+
+def test_a_successor_relaunches_from_the_checkpoints_published_when_the_scenario_has_it_up(tmp_path):
+    """checkpoint_restart, the coordinator killed at step 7 while step 6's async checkpoint is
+    still being written (3.2 s emulated, ending 2.2 s after the death). The scenario has the
+    successor up 1.0 s after the death (`policy.coordinator_restart_s`), so on the cluster the
+    relaunch it decides then kills the writer, and the job goes back to step 3's checkpoint, as
+    the twin predicts. The standby here is up within tens of ms and its first import of the
+    checkpoint code takes most of a second of wall (4 s emulated at this scale): deciding then
+    and listing after the import, it relaunched from step 6's checkpoint, published meanwhile
+    (sweep member 3/18, 7 Dec: wall 9 % off)."""
+    import twin
+    from keel import hardware
+    from runtime.api import run_scenario
+    text = scenario_text(steps=10, faults=[{"at_step": 7, "class": "coordinator_loss"}], detect_timeout_s=2.0,
+                         interval=3, policy="checkpoint_restart",
+                         extra="[emulation]\nenabled = true\ntime_scale = 0.25\n")
+    text = text.replace("heartbeat_s = 0.1", "heartbeat_s = 0.5")
+    text = text.replace("[workload]\n", "[workload]\nstep_compute_s = 1.0\n", 1)  # one slot a node: 1 s steps
+    sc = loads(text, "<coordinator lost during a write>")
+    share = hardware.checkpoint_share_bytes(sc, sc.training_nodes)
+    sc = sc.with_overrides({"checkpoint.write_gbyte_s": share / 3.2e9, "policy.coordinator_restart_s": 1.0,
+                            "policy.restart_s": 16.0})  # 4 s of wall: the relaunch's real work fits in it
+    summary = run_scenario(sc, tmp_path / "run", progress=False)
+    events = read_events(tmp_path / "run" / "events.jsonl")
+    assert summary["restarts"] == 1 and summary["steps"] == 10 and summary["emulation"]["faithful"], summary["emulation"]
+    fault = next(e for e in events if e.kind == "fault")
+    restart = next(e for e in events if e.kind == "restart")
+    write = next(e for e in events if e.kind == "checkpoint_start" and e.detail["ckpt_step"] == 6)
+    assert fault.step == 7 and write.t + 3.2 - fault.t > 1.5, (fault, write)  # it ends well after the successor is up
+    predicted = next(e for e in twin.simulate(sc).events if e.kind == "restart")
+    assert restart.detail["from_step"] == predicted.detail["from_step"] == 3, (restart, predicted)
+    # the relaunch is decided when the scenario has the successor up, and restart_s runs from then
+    first = next(e for e in events if e.kind == "step" and e.t > restart.t)
+    assert first.t - fault.t >= 1.0 + 16.0, (fault, first)

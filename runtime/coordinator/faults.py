@@ -13,6 +13,7 @@ twin; a spike whose nodes are all lost ends at the next commit.
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -22,6 +23,7 @@ from keel import recovery as R
 
 from runtime.coordinator import injections
 from runtime.coordinator.episodes import Episode, Stage
+from runtime.checkpoint_format import STEP_DIR
 from runtime.coordinator.state import JOIN_TIMEOUT_S, Phase
 from runtime.inject import Planned
 
@@ -192,11 +194,27 @@ def try_nonfinite(c: Coordinator, step: int) -> None:
 
 # ----------------------------------------------------------------------------- checkpoint_restart
 
-def restart(c: Coordinator, ep: Episode) -> None:
-    """The baseline: stop every worker, relaunch them all, load the newest checkpoint."""
-    decided = c.now()  # emulated: the relaunch's restart_s runs from the decision (below), taken
-    # before anything here costs real time: the first import of runtime.checkpoint (torch) took
-    # ~0.9 s of wall, which an emulated relaunch added to restart_s (sweep member 1/9, 6 Dec)
+def published_steps(ckpt_dir) -> list[int]:
+    """The steps whose checkpoint is published (renamed into place) in `ckpt_dir` now."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return []
+    return [int(m.group(1)) for n in names if (m := STEP_DIR.match(n))]
+
+
+def restart(c: Coordinator, ep: Episode, decided: float | None = None) -> None:
+    """The baseline: stop every worker, relaunch them all, load the newest checkpoint published
+    when the relaunch was decided (`decided`, emulated: now, or when the scenario has a dead
+    coordinator's successor up, succession.successor_up)."""
+    decided = c.now() if decided is None else decided  # emulated: the relaunch's restart_s runs from
+    # the decision (below), taken before anything here costs real time: the first import of
+    # runtime.checkpoint (torch) took ~0.9 s of wall, which an emulated relaunch added to
+    # restart_s (sweep member 1/9, 6 Dec). The checkpoints are listed then too: one published
+    # during that import (an async write ending) is one whose writer the relaunch kills on the
+    # cluster, and the twin breaks it; relaunched from, it put the run 4 steps ahead of the
+    # twin's (sweep member 3/18, 7 Dec)
+    published = published_steps(c.ckpt_dir)
     from runtime import checkpoint as ck
     st = c.state
     if st.phase == Phase.RESTARTING:
@@ -210,7 +228,8 @@ def restart(c: Coordinator, ep: Episode) -> None:
     # coordinator's successor was starting) is not one this run has reached. Verifying
     # reads and hashes every file: in the background, so that a large checkpoint is not
     # taken for a hung coordinator (link.SupervisorLink.in_background)
-    latest = c.sup.in_background(lambda: ck.find_latest(c.ckpt_dir, at_most=st.committed))
+    at_most = min([st.committed, *([max(published)] if published else [0])])
+    latest = c.sup.in_background(lambda: ck.find_latest(c.ckpt_dir, at_most=at_most))
     step = int(latest.name.split("-")[1]) if latest is not None else 0
     c.emit_ep("restart", ep, from_step=step, checkpoint=str(latest) if latest else None,
               lost_steps=st.committed - step)

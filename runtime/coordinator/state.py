@@ -80,4 +80,4 @@ class CoordinatorState:
 
 EMU_STATS = {"reports": 0, "overruns": 0, "compute_overruns": 0, "late_s": 0.0, "worst_late_s": 0.0,
              "warmup_reports": 0, "warmup_late_s": 0.0, "relaunches": 0, "relaunch_overruns": 0,
-             "relaunch_late_s": 0.0, "heartbeat_late_s": 0.0}
+             "relaunch_late_s": 0.0, "heartbeat_late_s": 0.0, "successor_late_s": 0.0}
