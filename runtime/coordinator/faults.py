@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from keel import recovery as R
 
+from runtime.checkpoint_format import STEP_DIR
 from runtime.coordinator import injections
 from runtime.coordinator.episodes import Episode, Stage
-from runtime.checkpoint_format import STEP_DIR
 from runtime.coordinator.state import JOIN_TIMEOUT_S, Phase
 from runtime.inject import Planned
 
