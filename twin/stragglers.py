@@ -110,8 +110,10 @@ class Stragglers:
         # own delay (the spike), not what the spike then costs the collective
         delay = sp.spike_s
         p = self.policy
-        if delay <= 0 or not any(delay / n.slots > R.straggler_excess_s(R.own_pace_s(self.params.slot_compute_s, n.speed),
-                                                                         p.straggler_factor) for n in holders):
+        def slow(n: Node) -> bool:
+            pace = R.own_pace_s(self.params.slot_compute_s, n.speed)
+            return delay / n.slots > R.straggler_excess_s(pace, p.straggler_factor)
+        if delay <= 0 or not any(slow(n) for n in holders):
             return
         first = sim.committed + 1 + (1 if sim.carry_s is not None and not sp.in_flight else 0)
         first = max(first, R.first_judged_step(sim.gen_start))

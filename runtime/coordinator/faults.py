@@ -228,7 +228,7 @@ def restart(c: Coordinator, ep: Episode, decided: float | None = None) -> None:
     # coordinator's successor was starting) is not one this run has reached. Verifying
     # reads and hashes every file: in the background, so that a large checkpoint is not
     # taken for a hung coordinator (link.SupervisorLink.in_background)
-    at_most = min([st.committed, *([max(published)] if published else [0])])
+    at_most = min(st.committed, max(published, default=0))
     latest = c.sup.in_background(lambda: ck.find_latest(c.ckpt_dir, at_most=at_most))
     step = int(latest.name.split("-")[1]) if latest is not None else 0
     c.emit_ep("restart", ep, from_step=step, checkpoint=str(latest) if latest else None,
