@@ -69,8 +69,9 @@ class Checkpoints:
             except Exception as e:
                 path, err = None, e
             stall = time.perf_counter() - t0
-            if emu is not None:
-                emu.c += emu.storage_s(len(members), sc.checkpoint.write_gbyte_s)
+            if emu is not None:  # the write of this node's share, and the coordinator's confirm it waited for
+                confirmed = emu.at(self.chan.confirmed_at) if err is None else 0.0
+                emu.c = max(emu.c + emu.storage_s(len(members), sc.checkpoint.write_gbyte_s), confirmed)
                 emu.wait_until(emu.c)
                 stall = emu.c - c0
             self.stalls[step] = stall

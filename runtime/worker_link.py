@@ -71,6 +71,7 @@ class CoordinatorLink:
         self.pending: list[dict[str, Any]] = []
         self.reports: dict[int, dict[str, Any]] = {}  # step -> report, not yet known to be committed
         self.confirmed = 0  # the newest step a coordinator said it committed (or a generation starts at)
+        self.confirmed_at = time.monotonic()  # when it said so
         self._lock = threading.Lock()
 
     def send(self, msg: dict[str, Any]) -> bool:
@@ -104,7 +105,8 @@ class CoordinatorLink:
         return msg
 
     def confirm(self, step: int) -> None:
-        self.confirmed = max(self.confirmed, step)
+        if step > self.confirmed:
+            self.confirmed, self.confirmed_at = step, time.monotonic()
 
     def await_confirmed(self, step: int, give_up: Callable[[], bool]) -> None:
         """Return once the coordinator has confirmed `step`: a checkpoint of it may then be

@@ -294,6 +294,52 @@ def test_steps_that_run_on_take_the_emulated_period(seed, index, max_nodes):
     assert np.all(shape.draw(sim.step_noise, 3)[1:] == pytest.approx(shape.expected_s()))
 
 
+# members whose writer's region has its result before the last region's: 2/28's sync write (0.96 s)
+# ends 0.6 s before its commit, and the next step is no longer (the emulated runs: 4.60 s against
+# 4.59 s); the twin paused every node for the whole write from the commit (its first NaN, in the
+# step after, 20.5 % off). Stalls past the writer's slack too, and in async mode the snapshot.
+CHECKPOINTED = [(2, 28, 40), (1, 6, 40), (1, 4, 40), (1, 10, 40), (7, 2, 8)]
+
+
+@pytest.mark.parametrize("seed,index,max_nodes", CHECKPOINTED)
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_a_checkpoint_delays_the_next_step_by_what_the_writers_late_start_does(seed, index, max_nodes, sync):
+    """Steps that run on (as above) until they settle; then the writer (the lowest rank) starts
+    the next step late: after its stall from its own end (sync: and not before the commit,
+    whose confirmation it waits for), the others at their own ends. What that adds to the next
+    step's end, emulated, is the twin's checkpoint pause (twin/cost.py `StepCost.checkpoint_s`),
+    for stalls from well inside to well past the writer's slack."""
+    from planner.scenario_gen import generate
+    from twin.params import TwinParams
+    from twin.model import Simulation
+    sc, _ = generate(seed, index, max_nodes)
+    sc = sc.with_overrides({"workload.compute_jitter": 0.0, "links": [{**{k: getattr(l, k) for k in (
+        "a", "b", "rtt_ms", "gbit_s")}, "jitter_ms": 0.0} for l in sc.links]})
+    sim = Simulation(sc, TwinParams.from_scenario(sc), 1)
+    members = [n.name for n in sim.cluster.active() if n.slots > 0]
+    compute = {n.name: n.slots * sim.params.slot_compute_s / n.speed for n in sim.cluster.active() if n.slots > 0}
+    writer = sim.cluster.writer()
+    ends = {n: 0.0 for n in members}
+    for _ in range(12):
+        ends = _emulated_collective_s(sc, members, starts={n: ends[n] + compute[n] for n in members})
+    commit = max(ends.values())
+    plain = max(_emulated_collective_s(sc, members, starts={n: ends[n] + compute[n] for n in members}).values())
+    step = plain - commit
+    slack = commit - ends[writer.name]
+    # the twin has a region's result when its last node has it: the writer may have its own up
+    # to the region's all-gather earlier, and start (sync: once past its slack) that much earlier
+    spread = max(t for n, t in ends.items() if n.rsplit("/", 1)[0] == writer.region) - ends[writer.name]
+    for stall in (0.25 * slack, 0.9 * slack, slack + 0.5 * step, 2.0 * step):
+        free = max(ends[writer.name] + stall, commit) if sync else ends[writer.name] + stall
+        starts = {n: (free if n == writer.name else ends[n]) + compute[n] for n in members}
+        late = max(_emulated_collective_s(sc, members, starts=starts).values())
+        pause, writer_free, durable = sim.cost.checkpoint_s(writer.region, stall, 0.0 if sync else 1.0, sync)
+        assert pause == pytest.approx(late - plain, abs=0.02 * step + spread), (stall, slack)
+        assert writer_free == pytest.approx(free - commit, abs=0.02 * step + spread)
+        assert durable == pytest.approx(max(0.0, free - commit if sync else free + 1.0 - commit),
+                                        abs=0.02 * step + spread)
+
+
 # node spikes on generated members: the twin priced a node's spike as its region's worst chain
 # (every message the region sends spiked), 25-62 % over the emulated delay on these; it now
 # follows the reduction's plan at node level (Topology.node_collective_s); 2/25's spike (the

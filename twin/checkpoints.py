@@ -1,8 +1,12 @@
-"""Checkpoints: when one is due, the pause it costs the trainer (`sync`: the write; `async`:
-the snapshot) and the background write of an async one, which its writer's loss (the lowest
-rank: every node holds the whole state) or a restart aborts. The next checkpoint waits for
-the previous write, and the run ends once its last checkpoint (the last step's, where one is
-due) is written. The bytes are spread over the nodes holding slots (twin/cost.py `share_s`).
+"""Checkpoints: when one is due, the pause it costs the trainer and the rest of its write, which
+goes on in the background and which its writer's loss (the lowest rank: every node holds the
+whole state) or a restart aborts. The writer starts at its own result, before the last region
+has its own, and stalls for the write (`sync`, then waits for the commit's confirmation) or the
+snapshot (`async`, then writes in the background); the others run on into the next step, so the
+pause is what the writer's late start adds to it (twin/cost.py `StepCost.checkpoint_s`). The
+next checkpoint waits for the previous write, and the run ends once its last checkpoint (the
+last step's, where one is due) is written. The bytes are spread over the nodes holding slots
+(twin/cost.py `share_s`).
 """
 from __future__ import annotations
 
@@ -66,26 +70,30 @@ class Checkpoints:
         mode = self.config.mode
         sim.emit("checkpoint_start", mode=mode)
         self.attempted = step  # once: a write broken off is not taken again (nor by the runtime)
-        rate = self.params.ckpt_write_gbyte_s if mode == "sync" else self.params.ckpt_snapshot_gbyte_s
-        pause = self.cost.share_s(rate)
-        # what a fault in the pause finds in flight (StepCost.drain_s): the others started the
-        # next step's compute at their step reports, the writer starts it after the pause
-        compute = self.cost.compute_by_node()
+        sync = mode == "sync"
+        stall = self.cost.share_s(self.params.ckpt_write_gbyte_s if sync else self.params.ckpt_snapshot_gbyte_s)
+        write = 0.0 if sync else self.cost.share_s(self.params.ckpt_write_gbyte_s)
         writer = sim.cluster.writer()
+        pause, free, durable = self.cost.checkpoint_s(writer.region if writer is not None else None,
+                                                      stall, write, sync)
+        # what a fault in the pause finds in flight (StepCost.drain_s): the others started the
+        # next step's compute at their step reports, the writer starts it once it is free
+        compute = self.cost.compute_by_node()
         if writer is not None and writer.name in compute:
-            compute[writer.name] += pause
+            compute[writer.name] += max(0.0, free)
         sim.inflight = (self.env.now, compute)
         if not (yield from sim.wait(pause, "checkpoint")):
             return
-        if mode == "sync":
+        if durable <= pause:
             self.step = step
             sim.emit("checkpoint_end", checkpoint_step=step)
-        else:
+        else:  # the rest of the write goes on while the others run on
             self.writing_node = writer.name if writer is not None else None
-            self.writer = self.env.process(self._write(step, self.cost.share_s(self.params.ckpt_write_gbyte_s)))
+            self.writer = self.env.process(self._write(step, durable - pause))
 
     def _write(self, step: int, duration: float) -> Generator:
-        """The background write of an async checkpoint."""
+        """The rest of a checkpoint's write once the trainer runs on (async: the write after
+        the snapshot; either mode: until the writer, behind the last region, is done)."""
         try:
             yield self.env.timeout(duration)
         except simpy.Interrupt:

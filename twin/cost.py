@@ -15,7 +15,7 @@ from keel import hardware, recovery as R
 from keel.scenario import Scenario, is_node, spike_factor
 from twin.cluster import Cluster, Node, Spike
 from twin.params import TwinParams
-from twin.steps import StepShape, max_cycle_mean
+from twin.steps import StepShape, max_cycle_mean, next_end, settled_ends
 from twin.topology import Topology
 
 
@@ -92,27 +92,52 @@ class StepCost:
                 elif is_member(sp.target):
                     spike = max(spike, self.spike_delay(sp, per_region, members=[n for n in c.nodes if is_member(n)]))
         offset = {r: o + spiked.get(r, 0.0) for r, o in offset.items()}
+        a = self._cycle(groups, ends, spiked)
         return StepShape(tuple(sorted((n, base, offset.get(region, 0.0)) for (region, base), n in groups.items())),
                          p.compute_jitter, p.step_overhead_s + spike + red.jitter_delay_s, red.latency_s * lat_scale,
-                         red.jitter_s,
-                         self._overlap_s(groups, ends, spiked))
+                         red.jitter_s, self._overlap_s(a),
+                         tuple((u, tuple(row.items())) for u, row in a.items()) if len(a) > 1 else ())
 
     @staticmethod
-    def _overlap_s(groups: Counter, ends: dict[str, dict[str, float]], spiked: dict[str, float]) -> float:
-        """What a step saves when the one before it ran on (issue 25): a region starts its next
-        step as soon as it has its own result, not when the last region has, so steps that
-        run on settle to the max-plus cycle mean of (a region's slowest compute + its chain to
-        each region) (twin/steps.py `max_cycle_mean`), below the step from a common start,
-        max over regions of compute + chain (sweep member 1/6: 1.41 s against 1.53 s; the
-        emulation ran 1.44 s). Taken without the compute jitter, which the draws keep."""
-        if len(ends) < 2:
-            return 0.0
+    def _cycle(groups: Counter, ends: dict[str, dict[str, float]],
+               spiked: dict[str, float]) -> dict[str, dict[str, float]]:
+        """a[u][v]: region u's slowest compute (its spike's delay too) + its reduction chain to
+        region v's result, without the compute jitter (which the draws keep)."""
         compute: dict[str, float] = {}
         for (region, base), _ in groups.items():
             compute[region] = max(compute.get(region, 0.0), base)
-        a = {r: {s: compute.get(r, 0.0) + spiked.get(r, 0.0) + t for s, t in row.items()} for r, row in ends.items()}
+        return {r: {s: compute.get(r, 0.0) + spiked.get(r, 0.0) + t for s, t in row.items()} for r, row in ends.items()}
+
+    @staticmethod
+    def _overlap_s(a: dict[str, dict[str, float]]) -> float:
+        """What a step saves when the one before it ran on (issue 25): a region starts its next
+        step as soon as it has its own result, not when the last region has, so steps that
+        run on settle to the max-plus cycle mean of `a` (twin/steps.py `max_cycle_mean`), below
+        the step from a common start, max over regions of compute + chain (sweep member 1/6:
+        1.41 s against 1.53 s; the emulation ran 1.44 s)."""
+        if len(a) < 2:
+            return 0.0
         start = max(max(row.values()) for row in a.values())
         return max(0.0, start - max_cycle_mean(a))
+
+    def checkpoint_s(self, writer_region: str | None, stall_s: float, write_s: float,
+                     sync: bool) -> tuple[float, float, float]:
+        """What a checkpoint taken at a commit costs (issue 25): the pause it adds to the step
+        after it, when its writer starts that step and when it is durable, all from the commit. The writer (the lowest rank)
+        starts at its own result, which in a step that ran on its region has before the last
+        region (`settled_ends`), stalls `stall_s` (sync: the write, `write_s` 0; async: the
+        snapshot), and publishes once `write_s` more is written and the commit confirmed
+        (runtime/protocol.py); a sync writer waits for that too. The others run on into the
+        next step; it ends later only where the writer's region, starting late, is on its
+        longest chain (`next_end`). One region: the pause is the stall (sync: the write)."""
+        a = {u: dict(row) for u, row in self.current_shape().cycle}
+        if writer_region not in a:  # one region (or a writer holding no slot): everyone waits
+            return stall_s, stall_s, stall_s + write_s
+        ends = settled_ends(a)
+        durable = max(0.0, ends[writer_region] + stall_s + write_s)
+        free = durable if sync else ends[writer_region] + stall_s
+        late = {**ends, writer_region: max(ends[writer_region], free)}
+        return max(0.0, next_end(a, late) - next_end(a, ends)), free, durable
 
     def _reduction_scales(self) -> tuple[float, float]:
         """How the calibration scales the topology's reduction: its latency part, its bytes part."""

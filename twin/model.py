@@ -58,8 +58,8 @@ Semantics (docs/design.md for step numbering and fault ids):
   slots from overloaded nodes (a `reslot` with no fault) when the cluster is below its
   healthy layout. Replaced nodes (checkpoint_restart) do not come back twice.
 - Checkpoints at every multiple of interval_steps up to run.steps, bytes over the training nodes:
-  `sync` pauses for the write, `async` for the snapshot, then writes in the background; the
-  next checkpoint and the run's end wait for that write (as the runtime's). Only the loss of
+  the trainer pauses for what the writer's stall adds to the next step (twin/checkpoints.py),
+  the write goes on behind; the next checkpoint and the run's end wait for it (as the runtime's). Only the loss of
   its writer (the lowest rank: every node holds the whole state) or a cause that stops the job
   breaks the pause or the write (`Cause.aborts_checkpoint`; a coordinator's death under
   checkpoint_restart never confirmed the step, so that checkpoint is never published,

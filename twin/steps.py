@@ -101,6 +101,23 @@ def max_cycle_mean(a: dict[str, dict[str, float]]) -> float:
                for v in nodes if d[n][v] > -math.inf)
 
 
+def settled_ends(a: dict[str, dict[str, float]], rounds: int = 64) -> dict[str, float]:
+    """When each region has its result in a step that ran on, relative to the commit (the last
+    region's, 0): x_v(k + 1) = max_u x_u(k) + a[u][v] iterated from a common start until it
+    settles (the max-plus eigenvector of `a`), then shifted so that its maximum is 0."""
+    x = {v: 0.0 for v in a}
+    for _ in range(rounds):
+        x = {v: max(x[u] + a[u][v] for u in a) for v in a}
+        top = max(x.values())
+        x = {v: t - top for v, t in x.items()}
+    return x
+
+
+def next_end(a: dict[str, dict[str, float]], start: dict[str, float]) -> float:
+    """When the last region has its result in a step whose regions start at `start`."""
+    return max(start[u] + a[u][v] for u in a for v in a)
+
+
 @dataclass(frozen=True, slots=True)
 class StepShape:
     """What one step costs under the cluster's current state."""
@@ -111,6 +128,8 @@ class StepShape:
     link_jitter_s: float    # standard deviation of the per-step link noise
     overlap_s: float = 0.0  # what a step saves on the last when both run on: each region starts
                             # its next step once it has its own result (twin/cost.py)
+    cycle: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()  # a[u][v]: region u's slowest
+                            # compute + its chain to v's result (twin/cost.py `_cycle`); () for one region
 
     def draw(self, pool: "NormalPool", count: int, warm: bool = False) -> np.ndarray:
         """`count` step times, one draw per group and step (plus one for the links); each step

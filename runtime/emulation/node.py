@@ -49,7 +49,11 @@ class NodeEmulation:
     # ------------------------------------------------------------------ the clock
     def now(self) -> float:
         """The wall's emulated time."""
-        return (time.monotonic() - self.anchor) / self.scale
+        return self.at(time.monotonic())
+
+    def at(self, monotonic: float) -> float:
+        """The emulated time of a wall instant (time.monotonic())."""
+        return (monotonic - self.anchor) / self.scale
 
     def wall(self, c: float) -> float:
         return self.anchor + c * self.scale
