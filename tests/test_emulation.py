@@ -259,6 +259,21 @@ def test_the_jitter_delay_with_a_region_of_spares_holding_slots():
     assert topo.reduction(active).jitter_delay_s == delay
 
 
+def _quiet_member(seed, index, max_nodes):
+    """A sweep member without compute or link jitter: the scenario, the twin's simulation of it,
+    the slot holders and each one's compute of a step."""
+    from planner.scenario_gen import generate
+    from twin.params import TwinParams
+    from twin.model import Simulation
+    sc, _ = generate(seed, index, max_nodes)
+    sc = sc.with_overrides({"workload.compute_jitter": 0.0, "links": [{**{k: getattr(l, k) for k in (
+        "a", "b", "rtt_ms", "gbit_s")}, "jitter_ms": 0.0} for l in sc.links]})
+    sim = Simulation(sc, TwinParams.from_scenario(sc), 1)
+    members = [n.name for n in sim.cluster.active() if n.slots > 0]
+    compute = {n.name: n.slots * sim.params.slot_compute_s / n.speed for n in sim.cluster.active() if n.slots > 0}
+    return sc, sim, members, compute
+
+
 # members whose regions differ in speed or chain: each starts its next step as soon as it has its
 # own result, so steps that run on are shorter than one from a common start (the twin's step
 # until 6 Dec: 1/6 +9 %, 1/4 +11 %, 1/7 +9 %, 1/10 +11 %)
@@ -271,16 +286,8 @@ def test_steps_that_run_on_take_the_emulated_period(seed, index, max_nodes):
     step, each node starting the next at its own end (as a worker does): the period the
     emulation settles to is the twin's fault-free step (twin/cost.py, the max-plus cycle mean),
     and its first step, from a common start, the twin's cold one."""
-    from planner.scenario_gen import generate
-    from twin.params import TwinParams
-    from twin.model import Simulation
     import numpy as np
-    sc, _ = generate(seed, index, max_nodes)
-    sc = sc.with_overrides({"workload.compute_jitter": 0.0, "links": [{**{k: getattr(l, k) for k in (
-        "a", "b", "rtt_ms", "gbit_s")}, "jitter_ms": 0.0} for l in sc.links]})
-    sim = Simulation(sc, TwinParams.from_scenario(sc), 1)
-    members = [n.name for n in sim.cluster.active() if n.slots > 0]
-    compute = {n.name: n.slots * sim.params.slot_compute_s / n.speed for n in sim.cluster.active() if n.slots > 0}
+    sc, sim, members, compute = _quiet_member(seed, index, max_nodes)
     ends, firsts = {n: 0.0 for n in members}, []
     for _ in range(12):
         ends = _emulated_collective_s(sc, members, starts={n: ends[n] + compute[n] for n in members})
@@ -309,15 +316,7 @@ def test_a_checkpoint_delays_the_next_step_by_what_the_writers_late_start_does(s
     whose confirmation it waits for), the others at their own ends. What that adds to the next
     step's end, emulated, is the twin's checkpoint pause (twin/cost.py `StepCost.checkpoint_s`),
     for stalls from well inside to well past the writer's slack."""
-    from planner.scenario_gen import generate
-    from twin.params import TwinParams
-    from twin.model import Simulation
-    sc, _ = generate(seed, index, max_nodes)
-    sc = sc.with_overrides({"workload.compute_jitter": 0.0, "links": [{**{k: getattr(l, k) for k in (
-        "a", "b", "rtt_ms", "gbit_s")}, "jitter_ms": 0.0} for l in sc.links]})
-    sim = Simulation(sc, TwinParams.from_scenario(sc), 1)
-    members = [n.name for n in sim.cluster.active() if n.slots > 0]
-    compute = {n.name: n.slots * sim.params.slot_compute_s / n.speed for n in sim.cluster.active() if n.slots > 0}
+    sc, sim, members, compute = _quiet_member(seed, index, max_nodes)
     writer = sim.cluster.writer()
     ends = {n: 0.0 for n in members}
     for _ in range(12):

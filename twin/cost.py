@@ -123,20 +123,21 @@ class StepCost:
     def checkpoint_s(self, writer_region: str | None, stall_s: float, write_s: float,
                      sync: bool) -> tuple[float, float, float]:
         """What a checkpoint taken at a commit costs (issue 25): the pause it adds to the step
-        after it, when its writer starts that step and when it is durable, all from the commit. The writer (the lowest rank)
-        starts at its own result, which in a step that ran on its region has before the last
-        region (`settled_ends`), stalls `stall_s` (sync: the write, `write_s` 0; async: the
-        snapshot), and publishes once `write_s` more is written and the commit confirmed
-        (runtime/protocol.py); a sync writer waits for that too. The others run on into the
-        next step; it ends later only where the writer's region, starting late, is on its
-        longest chain (`next_end`). One region: the pause is the stall (sync: the write)."""
+        after it, when its writer starts that step and when the checkpoint is durable, all from
+        the commit. The writer (the lowest rank) starts at its own result, which in a step that
+        ran on its region has before the last region (`settled_ends`), stalls `stall_s` (sync:
+        the write, `write_s` 0; async: the snapshot), and publishes once `write_s` more is
+        written and the commit confirmed (runtime/protocol.py); a sync writer waits for that
+        too. The others run on into the next step; it ends later only where the writer's
+        region, starting late, is on its longest chain (`next_end`). One region: the pause is
+        the stall (sync: the write)."""
         a = {u: dict(row) for u, row in self.current_shape().cycle}
         if writer_region not in a:  # one region (or a writer holding no slot): everyone waits
             return stall_s, stall_s, stall_s + write_s
         ends = settled_ends(a)
         durable = max(0.0, ends[writer_region] + stall_s + write_s)
         free = durable if sync else ends[writer_region] + stall_s
-        late = {**ends, writer_region: max(ends[writer_region], free)}
+        late = {**ends, writer_region: free}
         return max(0.0, next_end(a, late) - next_end(a, ends)), free, durable
 
     def _reduction_scales(self) -> tuple[float, float]:

@@ -103,8 +103,9 @@ def max_cycle_mean(a: dict[str, dict[str, float]]) -> float:
 
 def settled_ends(a: dict[str, dict[str, float]], rounds: int = 64) -> dict[str, float]:
     """When each region has its result in a step that ran on, relative to the commit (the last
-    region's, 0): x_v(k + 1) = max_u x_u(k) + a[u][v] iterated from a common start until it
-    settles (the max-plus eigenvector of `a`), then shifted so that its maximum is 0."""
+    region's, 0): x_v(k + 1) = max_u x_u(k) + a[u][v] iterated `rounds` times from a common
+    start, each time shifted so that its maximum is 0 (it settles within a few rounds to the
+    max-plus eigenvector of `a`)."""
     x = {v: 0.0 for v in a}
     for _ in range(rounds):
         x = {v: max(x[u] + a[u][v] for u in a) for v in a}
