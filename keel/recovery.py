@@ -9,9 +9,10 @@ on the same inputs and checks they decide the same.
   starts. A node's capacity is its region's `speed`: a node computes one slot's micro-batch in
   `workload.step_compute_s / speed` whatever its `gpus_per_node` (which the scenario already
   folds into those two figures); a region's capacity is the sum over its live nodes.
-- The straggler rule (`is_straggler` on a measured time per slot, `straggler_excess_s` on a
-  predicted delay per slot: one inequality in the form each side has; `probe_recovered`),
-  each worker judged against its own pace (`own_pace_s`: the median nominal pace over its speed).
+- The straggler rule (`is_straggler` on a time per slot, `straggler_excess_s` on a delay per
+  slot: one inequality in two forms; `probe_recovered`), each worker judged against its own
+  pace (`own_pace_s`: the median nominal pace over its speed), and `judge_step`: one committed
+  step's verdicts, on the runtime's measured times and on the twin's predicted ones.
 - `state_source_region`: where the state comes from for members that are behind (a spare
   taking over, a node coming back).
 - `resolve_schedule`: each scheduled fault with its class's parameters filled in (and a
@@ -20,6 +21,7 @@ on the same inputs and checks they decide the same.
 from __future__ import annotations
 
 import heapq
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
@@ -219,6 +221,42 @@ def is_straggler(per_slot_s: float, median_per_slot_s: float, factor: float) -> 
 def straggler_excess_s(median_per_slot_s: float, factor: float) -> float:
     """The delay per slot above which a worker at the median pace becomes a straggler."""
     return max(STRAGGLER_MIN_EXCESS_S, (factor - 1.0) * median_per_slot_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One member's verdict on one committed step."""
+    node: str
+    slow: bool
+    per_slot_s: float
+    median_per_slot_s: float  # the pace it was judged against: the median nominal pace over its speed
+    park: bool = False        # slow for straggler_window steps in a row: park it (the step's judging stops here)
+
+
+def judge_step(per_slot_s: Mapping[str, float], speeds: Mapping[str, float], slow: dict[str, int],
+               factor: float, window: int, may_park: bool) -> tuple[float | None, list[Verdict]]:
+    """The straggler rule on one committed step. `per_slot_s`: each member's seconds per slot
+    to reach the step's collective (its compute and its communication gate's delay), in the
+    members' order (scenario order); `speeds`: member -> its region's speed (1.0 if absent);
+    `slow`: each member's slow steps in a row, updated here. Each member is judged against its
+    own pace (`is_straggler`); the first one slow `window` steps in a row is parked (where
+    `may_park`) and the members after it are not judged this step. Returns the members' median
+    nominal pace (None, and no verdict, with fewer than two members) and the verdicts.
+    The runtime's coordinator calls it on the measured step reports, the twin on the times
+    it predicts from the scenario's draws (twin/stragglers.py)."""
+    if len(per_slot_s) < 2:
+        return None, []
+    med = statistics.median(nominal_per_slot_s(v, speeds.get(m, 1.0)) for m, v in per_slot_s.items())
+    out = []
+    for m, v in per_slot_s.items():
+        pace = own_pace_s(med, speeds.get(m, 1.0))
+        hit = is_straggler(v, pace, factor)
+        slow[m] = in_a_row(slow.get(m, 0), hit)
+        park = hit and may_park and window_full(slow[m], window)
+        out.append(Verdict(m, hit, v, pace, park))
+        if park:
+            break
+    return med, out
 
 
 def probe_recovered(probe_s: float, median_per_slot_s: float, factor: float) -> bool:

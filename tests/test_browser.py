@@ -263,7 +263,10 @@ def test_every_page_in_a_real_browser(app_server, browser, tmp_path):
     wait_until(lambda: "faults: A:" in (browser.evaluate("document.body.innerText") or ""), 120, "the twin's two runs")
     settle(browser, "Simulate", 4)
     body = check_page(browser, "Simulate", shots)
-    assert "met the same" in body
+    # the verdict on the two fault traces: which one depends on the twin (the plan's policy B,
+    # made for local-8, on multiregion-46 can run long enough to meet other drawn faults);
+    # both texts are tested against the data in tests/test_app.py and test_app_charts.py
+    assert ("met the same" in body) != ("met different faults" in body), body
 
     time.sleep(1)
     assert not server_warnings(log), f"the server logged: {server_warnings(log)}"

@@ -232,3 +232,88 @@ def test_the_straggler_window_parks_after_as_many_slow_steps_on_both_sides(windo
     parked = next(k for k in range(first, first + 10) if any(v.park for v in watch.judge(reports, True)))
     assert moved == R.window_end_step(detect, window)
     assert parked == R.window_end_step(first, window)
+
+
+# ----------------------------------------------------------------------------- the straggler watch, step by step
+
+def _emulated_reports(sc, slots: dict[str, int], step: int, spike: tuple[str, float] | None) -> dict[str, dict]:
+    """The step reports an emulated run's workers send for 1-based step `step` (runtime/worker.py):
+    each one's emulated compute and its gate's delay, with `spike` = (target, spike_ms) on, in
+    the members' order."""
+    import time
+    from keel.scenario import is_node, region_of
+    from runtime.emulation.node import NodeEmulation
+    from runtime.inject import CommGate
+    reports = {}
+    for node, k in slots.items():
+        gate = CommGate(sc.run.seed, node, sleeps=False)
+        if spike is not None and (node == spike[0] if is_node(spike[0]) else region_of(node) == spike[0]):
+            gate.start(0, spike[1], 1e6, "node" if is_node(spike[0]) else "region")
+        compute = NodeEmulation(sc, node, time.monotonic(), 1.0).compute_s(k, step - 1)
+        reports[node] = {"ready_s": compute + gate.delay(step - 1), "slots": k}
+    return reports
+
+
+def _watch_until_park(sc, gated: range, spike: tuple[str, float]) -> tuple[int | None, tuple[int, str] | None]:
+    """The runtime's StragglerWatch on the emulated reports of the first generation, the spike
+    delaying the steps in `gated`: (the first step with a slow member of the spike, the first
+    park as (step, node))."""
+    from keel import recovery as R
+    from keel.scenario import is_node, region_of
+    from runtime.coordinator.stragglers import StragglerWatch
+    sim = twin.model.Simulation(sc, twin.params.TwinParams.from_scenario(sc), 1)
+    slots = {n.name: n.slots for n in sim.cluster.active() if n.slots > 0}
+    watch = StragglerWatch(sc.policy.straggler_factor, sc.policy.straggler_window, sc.node_speeds)
+    watch.new_generation(list(slots))
+    covered = (lambda n: n == spike[0]) if is_node(spike[0]) else (lambda n: region_of(n) == spike[0])
+    first_slow = None
+    for step in range(R.first_judged_step(0), sc.run.steps + 1):
+        verdicts = watch.judge(_emulated_reports(sc, slots, step, spike if step in gated else None), True)
+        if first_slow is None and any(v.slow and covered(v.node) for v in verdicts):
+            first_slow = step
+        park = next((v.node for v in verdicts if v.park), None)
+        if park is not None:
+            return first_slow, (step, park)
+    return first_slow, None
+
+
+def _sweep_member_2_19(**overrides):
+    from planner.scenario_gen import generate
+    sc, _ = generate(2, 19, 40)
+    return sc.with_overrides(overrides) if overrides else sc
+
+
+def test_a_step_a_spike_slowed_is_judged_at_its_commit_after_the_spike_on_both_sides():
+    """Sweep member 2/19 (seed 2, 7 Dec: wall 6.2 %, failed): a 282 ms spike on eu-west for
+    0.59 s delays step 7's gate and is over before step 7 commits. The runtime judged step 7 at
+    its commit on each worker's own draw of the delay, parked eu-west/2 (window 1) on the
+    region's spare and brought it back at its first good probe; the twin dropped its watch at
+    the spike's end and predicted nothing. Both sides now: the episode ends before that commit,
+    and the park is a re-slot of no fault."""
+    sc = _sweep_member_2_19()
+    events = twin.simulate(sc).events
+    jitter = [e for e in events if e.fault == "network_jitter"]
+    assert [e.kind for e in jitter] == ["fault", "recover_end"] and jitter[1].step == 6  # ended before 7's commit
+    parks = [e for e in events if e.kind == "reslot" and e.detail.get("reason") == "straggler"]
+    assert [(e.step, e.fault, e.target, bool(e.detail.get("back"))) for e in parks] == \
+        [(7, None, "eu-west/2", False), (7, None, "eu-west/2", True)]
+    assert parks[0].detail["to"] == ["eu-west/5:1"]  # the region's spare
+    assert _watch_until_park(sc, range(7, 8), ("eu-west", 282.0)) == (7, (7, "eu-west/2"))
+
+
+@pytest.mark.parametrize("target,spike_ms,factor,window", [
+    ("eu-west", 282.0, 1.5, 1), ("eu-west", 282.0, 1.5, 2), ("eu-west", 330.0, 1.5, 3), ("eu-west", 250.0, 1.3, 2),
+    ("us-west", 600.0, 2.0, 1), ("eu-west/3", 300.0, 1.5, 2), ("us-east/1", 200.0, 1.3, 1)])
+def test_the_twin_detects_and_parks_where_the_runtimes_watch_does_step_by_step(target, spike_ms, factor, window):
+    """A spike that outlasts the run from step 7 on: the twin's first detection and first park
+    (step and node) are those of the runtime's StragglerWatch on the reports its emulated
+    workers send (each one's compute and gate's delay of its own draws, keel.scenario), judged
+    by the one rule (keel.recovery.judge_step) in the members' order."""
+    sc = _sweep_member_2_19(**{
+        "faults.schedule": [{"at_step": 6, "class": "network_jitter", "target": target, "spike_ms": spike_ms,
+                             "duration_s": 1000.0}],
+        "policy.straggler_factor": factor, "policy.straggler_window": window})
+    events = twin.simulate(sc).events
+    detect = next((e.step for e in events if e.kind == "detect"), None)
+    park = next(((e.step, e.detail["parked"]) for e in events if e.kind == "reslot" and "parked" in e.detail), None)
+    assert (detect, park) == _watch_until_park(sc, range(7, sc.run.steps + 1), (target, spike_ms))

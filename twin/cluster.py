@@ -13,7 +13,7 @@ twin/stragglers.py.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from keel import recovery as R
@@ -40,8 +40,7 @@ class Spike:
     active: bool = True
     in_flight: bool = False    # it caught the step in flight before the target's gate
     detected: bool = False
-    moves: list[tuple[str, str, int]] = field(default_factory=list)  # (from, to, slots)
-    spare_receivers: set[str] = field(default_factory=set)
+    ends_at: float = float("inf")  # simulated seconds
     over: Any = None           # a SimPy event, set when the spike ends
 
     def covers(self, node: str) -> bool:

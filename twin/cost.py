@@ -84,7 +84,7 @@ class StepCost:
         spiked: dict[str, float] = {}
         if with_spikes:
             for sp in c.spikes.values():
-                if not sp.active or sp.moves or sp is without:
+                if not sp.active or sp is without or not c.spiked_holders(sp):  # parked: delays no one
                     continue
                 if not is_node(sp.target):
                     for r, d in self.topology.spike_chain_deltas_s(sp.target, sp.spike_s, per_region).items():
@@ -173,12 +173,13 @@ class StepCost:
             members = [n.name for n in self.cluster.active() if n.slots > 0]
         return self.topology.spike_delay_s(spike.target, spike.spike_s * factor, per_region, members)
 
-    def probe_wait_s(self, sp: Spike) -> float:
-        """Mean time from a spike's end to the straggler_window-th good probe: a standing-by
-        straggler probes its path every heartbeat (each probe waits the gate's delay while the
-        spike lasts). The first good probe comes after the probe in progress, if any, and a
-        heartbeat, else after what is left of the heartbeat; then one a heartbeat."""
-        h, d = self.params.heartbeat_s, sp.spike_s
+    def probe_wait_s(self, spike_s: float) -> float:
+        """Mean time from a spike's end (of `spike_s`; 0: none was on when the probes began)
+        to the straggler_window-th good probe: a standing-by straggler probes its path every
+        heartbeat (each probe waits the gate's delay while the spike lasts). The first good
+        probe comes after the probe in progress, if any, and a heartbeat, else after what is
+        left of the heartbeat; then one a heartbeat."""
+        h, d = self.params.heartbeat_s, spike_s
         first = (d * (d / 2 + h) + h * (h / 2)) / (d + h) if d + h > 0 else 0.0
         return first + (self.scenario.policy.straggler_window - 1) * h
 

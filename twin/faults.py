@@ -36,7 +36,7 @@ class Cause:
     a checkpoint's pause: the job stops, or the writer is lost (every node holds the whole
     state and the lowest rank writes it, as in the runtime: another node's loss does not stop
     the write)."""
-    kind: str               # loss | detected | spike_start | spike_end | nan | rejoin | coordinator_(down|up)
+    kind: str               # loss | detected | spike_start | spike_end | probes_good | nan | rejoin | coordinator_(down|up)
     fault_id: int | None = None
     interrupts_run: bool = False
     aborts_pause: bool = False

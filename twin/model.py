@@ -36,13 +36,13 @@ Semantics (docs/design.md for step numbering and fault ids):
   finish it before they see the abort: StepCost.drain_s) + the slowest state copy, and redoes
   the interrupted step. With no live training node left there is no copy of the state: it
   falls back to a restart from the last checkpoint (a `restart` event).
-- `network_jitter`: a spike delays every step while it lasts (StepCost.shape: a node's by its
-  messages, a region's per reduction chain). Under absorb a straggler (twin/stragglers.py) is
-  detected at its first slow step; after straggler_window of them its slots move if that makes
-  steps faster, and back once the spike is over and straggler_window probes are good: each move
-  aborts the step in flight (drained, then redone). The episode ends at its move back, or just
-  before the first commit after the spike where nothing moved (as the runtime ends both), or
-  just before `run_end`, marked `at_run_end` (keel.metrics.open_at_end).
+- `network_jitter`: a spike delays every step that starts while it lasts (StepCost.shape: a
+  node's by its messages, a region's per reduction chain). Each such step is judged at its
+  commit as the runtime judges it (twin/stragglers.py): a spike is detected at its first slow
+  step, a straggler parked after straggler_window of them and back after as many good probes,
+  each move aborting the step in flight (drained, then redone). The episode ends at its last
+  straggler's return, or just before the first commit after the spike where nothing moved (as
+  the runtime ends both), or just before `run_end`, `at_run_end` (keel.metrics.open_at_end).
 - `data_shard_skew`: the step in flight yields NaN at its end and is not committed. With
   policy.quarantine the shard is quarantined; absorb redoes the step, checkpoint_restart rolls
   back to the last checkpoint (a restart). A drawn NaN on a quarantined shard is skipped.
@@ -261,8 +261,7 @@ class Simulation(CoordinatorLossMixin):
             if self.failure is not None:
                 completed = False
                 break
-            if st.detect_at:
-                st.detect_due()
+            st.catch_up()
             if self.env.now > self.wall_limit_s:
                 completed = False
                 break
@@ -273,13 +272,13 @@ class Simulation(CoordinatorLossMixin):
             elif self.awaiting_recovery:
                 yield from self._recover()
             elif (back := st.moving_back()) is not None:
-                yield from st.end_spike(back)
+                yield from st.move_back(back)
             elif self.carry_s is not None or self.nan_pending:
                 yield from self._segment(1)
+            elif st.due():  # before a spike's end: the step judged at this commit may park a straggler
+                yield from st.straggler()
             elif st.spike_ends:
-                yield from st.end_spike(st.spike_ends[0])
-            elif (due := st.due()):
-                yield from st.straggler(due[0])
+                st.end_spike(st.spike_ends[0])
             elif self.committed >= s.run.steps:
                 if self.outages:
                     yield from self.wait(None, "stalled")  # the run is over once a coordinator says so
@@ -326,6 +325,7 @@ class Simulation(CoordinatorLossMixin):
         self.gen_start = self.committed
         self.gen += 1
         self.warm = False  # its members start its first step together
+        self.stragglers.new_generation()
 
     # ------------------------------------------------------------------ node loss: absorb or restart
     def _detected(self, fid: int) -> None:

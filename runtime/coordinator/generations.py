@@ -237,7 +237,9 @@ def commit(c: Coordinator, k: int, loss: float, reps: dict[str, dict], check: bo
     st.last_progress = time.monotonic()
     c.bar.update(1)
     if reps and check and k >= R.first_judged_step(st.gen_start_step):
-        faults.watch_stragglers(c, {m: r for m, r in reps.items() if m in st.slot_map})
+        # in the members' (scenario) order, not the reports' arrival order: the verdict on a
+        # step is the twin's to predict (keel.recovery.judge_step parks the first one slow)
+        faults.watch_stragglers(c, {m: reps[m] for m in st.members if m in reps and m in st.slot_map})
     if k >= c.total:
         st.enter(Phase.FINISHING)
         check_finished(c)

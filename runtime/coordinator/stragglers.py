@@ -3,20 +3,11 @@ which must be parked, and which has come back (keel.recovery's rule, applied to 
 runtime's measurements). State in, verdicts out; no processes, no events."""
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from keel import recovery as R
-
-
-@dataclass(frozen=True)
-class Verdict:
-    node: str
-    slow: bool
-    per_slot_s: float
-    median_per_slot_s: float  # the pace it was judged against: the median nominal pace over its speed
-    park: bool = False   # slow for straggler_window steps in a row: park it (the watch stops here)
+from keel.recovery import Verdict
 
 
 @dataclass
@@ -47,27 +38,17 @@ class StragglerWatch:
             self.slow[m] = 0
 
     def judge(self, reports: Mapping[str, Mapping], may_park: bool) -> list[Verdict]:
-        """One committed step's reports ({member: {"ready_s", "slots"}}): a member is slow
-        when its seconds per slot to reach the collective break keel.recovery.is_straggler
-        against its own pace (the median nominal pace over its speed, keel.recovery.own_pace_s);
-        the first member slow `window` steps in a row is parked (if `may_park`), and members
-        after it are not judged this step."""
+        """One committed step's reports ({member: {"ready_s", "slots"}}, in the members'
+        order): keel.recovery.judge_step on the measured seconds per slot to reach the
+        collective; the smoothed median (the probes' pace) and per-worker times follow."""
         per = {m: float(r["ready_s"]) / max(1, int(r["slots"])) for m, r in reports.items()}
-        if len(per) < 2:
+        med, out = R.judge_step(per, self.speeds, self.slow, self.factor, self.window, may_park)
+        if med is None:
             return []
-        med = statistics.median(R.nominal_per_slot_s(v, self.speed(m)) for m, v in per.items())
         self.median_per_slot = med if self.median_per_slot is None else 0.8 * self.median_per_slot + 0.2 * med
-        out = []
-        for m, v in per.items():
-            prev = self.per_slot.get(m)
-            self.per_slot[m] = v if prev is None else 0.7 * prev + 0.3 * v
-            pace = R.own_pace_s(med, self.speed(m))
-            slow = R.is_straggler(v, pace, self.factor)
-            self.slow[m] = R.in_a_row(self.slow.get(m, 0), slow)
-            park = slow and may_park and R.window_full(self.slow[m], self.window)
-            out.append(Verdict(m, slow, v, pace, park))
-            if park:
-                break
+        for v in out:
+            prev = self.per_slot.get(v.node)
+            self.per_slot[v.node] = v.per_slot_s if prev is None else 0.7 * prev + 0.3 * v.per_slot_s
         return out
 
     def probe(self, node: str, probe_s: float) -> bool:

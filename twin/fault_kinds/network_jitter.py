@@ -19,7 +19,7 @@ def strike(faults: Faults, target: str, spike_s: float, duration_s: float, sched
     env, cluster = faults.env, faults.cluster
     fid = faults.new_fault(FaultInfo(NAME, target, faults.action(NAME)))
     faults.sim.emit_episode("fault", fid, scheduled=scheduled, spike_ms=spike_s * 1e3, duration_s=duration_s)
-    cluster.spikes[fid] = sp = Spike(target, spike_s, over=env.event())
+    cluster.spikes[fid] = sp = Spike(target, spike_s, ends_at=env.now + duration_s, over=env.event())
     cluster.spike_starts.append((env.now, sp))
     cluster.touch()  # the step model changed
     faults.sim.notify(Cause("spike_start", fid, interrupts_run=True))
@@ -46,20 +46,4 @@ def _spike_end(faults: Faults, fid: int, after_s: float) -> Generator:
     sp.active = False
     sp.over.succeed()
     cluster.touch()
-    if sp.moves:  # parked: back once straggler_window of its heartbeat probes in a row come
-        # back good, as in the runtime: none does while another spike covers a parked node,
-        # and one that starts meanwhile makes them start over once it is over
-        homes = {frm for frm, _, _ in sp.moves}
-        last = sp
-        while True:
-            while (later := next((o for o in cluster.spikes.values()
-                                  if o.active and any(o.covers(h) for h in homes)), None)) is not None:
-                yield later.over
-                last = later
-            since = env.now
-            yield env.timeout(faults.sim.cost.probe_wait_s(last))
-            struck = [o for t, o in cluster.spike_starts if t > since and any(o.covers(h) for h in homes)]
-            if not struck:
-                break
-            last = struck[-1]  # on still (waited for above), or come and gone: probes start over
     faults.sim.notify(Cause("spike_end", fid, interrupts_run=True))
