@@ -259,6 +259,15 @@ def judge_step(per_slot_s: Mapping[str, float], speeds: Mapping[str, float], slo
     return med, out
 
 
+def spike_settled(fine_steps: int, any_slow: bool, window: int) -> tuple[int, bool]:
+    """A detected spike that parked no one, after one more judged step: the steps in a row on
+    which none of its nodes was slow, and whether they fill the window (its episode is over).
+    Counted per step, not per member's verdict: a region's six fine verdicts on one step are one
+    fine step (the runtime counted six, and ended such an episode on the step that detected it)."""
+    fine = in_a_row(fine_steps, not any_slow)
+    return fine, window_full(fine, window)
+
+
 def probe_recovered(probe_s: float, median_per_slot_s: float, factor: float) -> bool:
     """A parked straggler's probe of its path is good when that delay would no longer make it
     a straggler; `straggler_window` good probes in a row bring it back."""

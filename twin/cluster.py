@@ -40,6 +40,7 @@ class Spike:
     active: bool = True
     in_flight: bool = False    # it caught the step in flight before the target's gate
     detected: bool = False
+    closed: bool = False       # its episode has ended (the spike may still be on)
     ends_at: float = float("inf")  # simulated seconds
     over: Any = None           # a SimPy event, set when the spike ends
 

@@ -275,10 +275,8 @@ class Simulation(CoordinatorLossMixin):
                 yield from st.move_back(back)
             elif self.carry_s is not None or self.nan_pending:
                 yield from self._segment(1)
-            elif st.due():  # before a spike's end: the step judged at this commit may park a straggler
+            elif st.due():
                 yield from st.straggler()
-            elif st.spike_ends:
-                st.end_spike(st.spike_ends[0])
             elif self.committed >= s.run.steps:
                 if self.outages:
                     yield from self.wait(None, "stalled")  # the run is over once a coordinator says so

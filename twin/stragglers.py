@@ -73,11 +73,12 @@ class Stragglers:
         self.slow: dict[str, int] = {}          # slow steps in a row per member, through step `judged`
         self.judged = R.first_judged_step(0) - 1
         self.park: tuple[int, str, int | None] | None = None  # the next park: (step, node, fault id)
+        self.fine: dict[int, int] = {}          # fault id -> fine steps in a row of a detected, unparked spike
         self.detect_at: dict[int, int] = {}     # fault id -> the step whose commit detects it
+        self.end_at: dict[int, int] = {}        # fault id -> the step whose commit ends it (keel.recovery.spike_settled)
         self.look_until: int | None = None      # predicted through this step: look again there
         self.parks: list[Park] = []             # stragglers standing by
         self.returning: list[Park] = []         # ... whose probes are good: back at the next chance
-        self.spike_ends: list[int] = []         # detected spikes over, nothing parked: episode to close
         self.ends_at_commit: list[int] = []     # spikes over that made no straggler: closed at the next commit
 
     # ------------------------------------------------------------------ what the trainer asks
@@ -96,16 +97,21 @@ class Stragglers:
         self.gating[fid].last = sim.committed + (1 if sim.carry_s is not None else 0)
         self.predict()
         sp = self.cluster.spikes[fid]
-        if any(p.fid == fid for p in self.parks) or (self.park is not None and self.park[2] == fid):
-            return  # the episode ends with its last straggler's return
-        if not sp.detected:
+        if sp.closed:  # its episode is over already (spike_settled)
+            self.cluster.spikes.pop(fid)
+        elif not sp.detected and not self._parking(fid):
             # it never made a straggler: its episode ends just before the first commit after the
             # spike, as the runtime's does (runtime/coordinator/episodes.py), not after the step
             # in flight, which put one more step into its cost (sweep member 7/4: +93 %)
+            sp.closed = True
             self.cluster.spikes.pop(fid)
             self.ends_at_commit.append(fid)
-            return
-        self.spike_ends.append(fid)
+        # else the episode ends with its last straggler's return, or once its nodes are fine
+        # for a window of steps (predicted: end_at)
+
+    def _parking(self, fid: int) -> bool:
+        """A straggler of this spike is parked or about to be."""
+        return any(p.fid == fid for p in self.parks) or (self.park is not None and self.park[2] == fid)
 
     def flush_ends(self, t: float, before: int) -> None:
         """The `recover_end` of each spike in ends_at_commit, just before the commit at `t`
@@ -121,8 +127,8 @@ class Stragglers:
         return self.park is not None and self.park[0] <= self.sim.committed
 
     def bounds(self, committed: int) -> list[int]:
-        """Steps after `committed` at which a detection, a park or a new look is due."""
-        out = [at for at in self.detect_at.values() if at > committed]
+        """Steps after `committed` at which a detection, an episode's end, a park or a new look is due."""
+        out = [at for at in [*self.detect_at.values(), *self.end_at.values()] if at > committed]
         if self.park is not None and self.park[0] > committed:
             out.append(self.park[0])
         if self.look_until is not None and self.look_until > committed:
@@ -132,8 +138,8 @@ class Stragglers:
     def catch_up(self) -> None:
         """At each of the trainer's turns: `detect` what is due, and predict on from here where
         the prediction's horizon is reached."""
-        if self.detect_at:
-            self.detect_due()
+        if self.detect_at or self.end_at:
+            self._episodes_due()
         if self.look_until is not None and self.sim.committed >= self.look_until:
             self.predict()
 
@@ -151,28 +157,25 @@ class Stragglers:
         self.gating = {f: Gating(g.spike, first) for f, g in self.gating.items() if g.spike.active}
         self.park = None
         self.detect_at.clear()
+        self.end_at.clear()
         self.look_until = None
 
     # ------------------------------------------------------------------ the prediction
-    def _gates(self, step: int) -> dict[str, float]:
-        """node -> its gate's delay at `step` (1-based), for the members a spike covers: the
-        latest spike's spike_s x the runtime's own draw for that node and step."""
-        out: dict[str, float] = {}
-        for g in self.gating.values():
+    def _judge(self, step: int, slow: dict[str, int], spiked: dict[int, list[str]]) -> list[R.Verdict]:
+        """keel.recovery.judge_step on step `step` (1-based) as the scenario's draws make it:
+        each member's compute and its gate's delay (the latest spike on it: spike_s x the
+        runtime's own draw for that node and step), over its slots. `spiked`: fault id -> the
+        members its spike covers."""
+        gates: dict[str, float] = {}
+        for fid, names in spiked.items():
+            g = self.gating[fid]
             if g.gates(step):
-                for n in self.cluster.spiked_holders(g.spike):
-                    out[n.name] = g.spike.spike_s * spike_factor(self.seed, n.name, step - 1)
-        return out
-
-    def _judge(self, step: int, slow: dict[str, int]) -> list[R.Verdict]:
-        """keel.recovery.judge_step on step `step` as the scenario's draws make it: each
-        member's compute and its gate's delay, over its slots."""
-        gates = self._gates(step)
+                for name in names:
+                    gates[name] = g.spike.spike_s * spike_factor(self.seed, name, step - 1)
         if not gates:  # no gate delayed: nobody is slow (the compute's jitter alone never is)
             slow.clear()
             return []
-        jitter = self.params.compute_jitter
-        per, speeds = {}, {}
+        jitter, per, speeds = self.params.compute_jitter, {}, {}
         for n in self.cluster.active():
             if n.slots > 0:
                 compute = n.slots * self.params.slot_compute_s / n.speed * compute_factor(self.seed, n.name, step - 1,
@@ -183,32 +186,66 @@ class Stragglers:
         return R.judge_step(per, speeds, slow, self.policy.straggler_factor, self.policy.straggler_window,
                             may_park)[1]
 
-    def _episode(self, node: str, step: int, detected: set[int]) -> int | None:
-        """The open spike episode a slow `node` at `step` belongs to (the runtime's
-        `jitter_on`): the latest spike delaying it then whose episode is open at that
-        commit. One that never made a straggler closed before the commit after its end."""
-        for fid in sorted(self.gating, reverse=True):
-            g = self.gating[fid]
-            if g.gates(step) and g.spike.covers(node):
-                if g.last is None or step < g.last or g.spike.detected or fid in detected \
-                        or any(p.fid == fid for p in self.parks):
-                    return fid
-        return None
+    def _open(self, fid: int, step: int, detected: set[int], closed: set[int]) -> bool:
+        """Whether a spike's episode is open at the commit of `step`: one that never made a
+        straggler closed just before the first commit after its end."""
+        g = self.gating[fid]
+        if g.spike.closed or fid in closed:
+            return False
+        return g.last is None or step < g.last or g.spike.detected or fid in detected or self._parking(fid)
+
+    def _episode(self, node: str, step: int, detected: set[int], closed: set[int]) -> int | None:
+        """The open spike episode a judged `node` at `step` belongs to (the runtime's
+        `jitter_on`): the latest spike covering it whose episode is open at that commit."""
+        return next((f for f in sorted(self.gating, reverse=True)
+                     if self.gating[f].spike.covers(node) and self._open(f, step, detected, closed)), None)
+
+    def _step(self, k: int, slow: dict[str, int], fine: dict[int, int], spiked: dict[int, list[str]],
+              detected: set[int], closed: set[int]) -> tuple[tuple[int, str, int | None] | None, list[int], list[int]]:
+        """Step `k` judged at its commit, as the runtime's watch (runtime/coordinator/faults.py
+        `watch_stragglers`): the park it makes, if any, the spikes it detects and the episodes
+        it ends (a detected spike that parked no one, once its nodes are fine for a window)."""
+        verdicts = self._judge(k, slow, spiked)
+        any_slow: dict[int, bool] = {}
+        detects: list[int] = []
+        if not verdicts:  # no gate delayed: every member fine
+            any_slow = {f: False for f, names in spiked.items() if names and self._open(f, k, detected, closed)}
+        for v in verdicts:
+            fid = self._episode(v.node, k, detected, closed)
+            if fid is not None:
+                any_slow[fid] = any_slow.get(fid, False) or v.slow
+                if v.slow and fid not in detected and not self.gating[fid].spike.detected:
+                    detected.add(fid)
+                    detects.append(fid)
+            if v.park:
+                return (k, v.node, fid), detects, []
+        ends = []
+        for fid, hit in any_slow.items():
+            if (self.gating[fid].spike.detected or fid in detected) and not self._parking(fid):
+                fine[fid], over = R.spike_settled(fine.get(fid, 0), hit, self.policy.straggler_window)
+                if over:
+                    closed.add(fid)
+                    ends.append(fid)
+        return None, detects, ends
 
     def predict(self) -> None:
-        """From the committed steps (folded into the members' counts) on: the next park, the
-        detection of each spike, up to LOOKAHEAD_STEPS ahead or the last step a spike can
-        delay (an active one: as many steps as fit in what is left of it at the healthy pace)."""
+        """From the committed steps (folded into the members' and the spikes' counts) on: the
+        next park, each spike's detection and end, up to LOOKAHEAD_STEPS ahead or a window past
+        the last step a spike can delay (an active one: as many steps as fit in what is left
+        of it at the healthy pace)."""
         sim = self.sim
         committed = sim.committed
+        spiked = {f: [n.name for n in self.cluster.spiked_holders(g.spike)] for f, g in self.gating.items()}
         if self.gating:
             for k in range(self.judged + 1, committed + 1):
-                self._judge(k, self.slow)
+                self._step(k, self.slow, self.fine, spiked, set(), set())
         else:  # nothing delays any step: nobody is slow
             self.slow.clear()
         self.judged = max(self.judged, committed)
-        self.gating = {f: g for f, g in self.gating.items() if g.last is None or g.last > committed}
-        self.park, self.detect_at, self.look_until = None, {}, None
+        self.gating = {f: g for f, g in self.gating.items() if g.last is None or g.last > committed or (
+            not g.spike.closed and (g.spike.detected or self._parking(f)))}
+        spiked = {f: spiked[f] for f in self.gating}
+        self.park, self.detect_at, self.end_at, self.look_until = None, {}, {}, None
         if not self.gating:
             return
         end = committed
@@ -218,29 +255,43 @@ class Stragglers:
             else:
                 left = max(0.0, g.spike.ends_at - sim.env.now)
                 end = max(end, committed + 2 + math.ceil(left / sim.healthy_step_s))
+        end += self.policy.straggler_window  # a detected spike's fine steps after it
         stop = min(end, committed + LOOKAHEAD_STEPS)
         if stop < end:
             self.look_until = stop
-        slow = dict(self.slow)
+        slow, fine = dict(self.slow), dict(self.fine)
         detected: set[int] = set()
+        closed: set[int] = set()
         for k in range(max(committed, self.judged) + 1, stop + 1):
-            for v in self._judge(k, slow):
-                fid = self._episode(v.node, k, detected) if v.slow else None
-                if fid is not None and fid not in detected and not self.gating[fid].spike.detected:
-                    detected.add(fid)
-                    self.detect_at[fid] = k
-                if v.park:
-                    self.park = (k, v.node, fid)
-                    return
+            park, detects, ends = self._step(k, slow, fine, spiked, detected, closed)
+            for fid in detects:
+                self.detect_at[fid] = k
+            for fid in ends:
+                self.end_at[fid] = k
+            if park is not None:
+                self.park = park
+                return
 
-    def detect_due(self) -> None:
-        """`detect` every spike whose first slow step is committed."""
-        for fid in [f for f, at in self.detect_at.items() if at <= self.sim.committed]:
+    def _episodes_due(self) -> None:
+        """`detect` every spike whose first slow step is committed; `recover_end` every detected
+        spike that parked no one whose window of fine steps is (after that commit, as the
+        runtime's watch ends it)."""
+        sim, c = self.sim, self.cluster
+        for fid in [f for f, at in self.detect_at.items() if at <= sim.committed]:
             del self.detect_at[fid]
-            sp = self.cluster.spikes.get(fid)
+            sp = c.spikes.get(fid)
             if sp is not None and not sp.detected:
                 sp.detected = True
-                self.sim.emit_episode("detect", fid, slow_steps=1)
+                self.fine[fid] = 0
+                sim.emit_episode("detect", fid, slow_steps=1)
+        for fid in [f for f, at in self.end_at.items() if at <= sim.committed]:
+            del self.end_at[fid]
+            sp = c.spikes.get(fid)
+            if sp is not None and not sp.closed:
+                sp.closed = True
+                if not sp.active:
+                    c.spikes.pop(fid)
+                sim.emit_episode("recover_end", fid)
 
     # ------------------------------------------------------------------ a spike starts
     def _catch_in_flight(self, fid: int) -> None:
@@ -359,16 +410,9 @@ class Stragglers:
                             + self.cost.transfer_s(copy), "paused")
         sim.new_generation()
         fid = park.fid
-        if fid is not None and not any(p.fid == fid for p in self.parks) and fid in c.spikes \
-                and not c.spikes[fid].active:
-            c.spikes.pop(fid)
+        if fid is not None and fid in c.spikes and not c.spikes[fid].active and not self._parking(fid):
+            c.spikes.pop(fid).closed = True
             sim.emit_episode("recover_end", fid)
-
-    def end_spike(self, fid: int) -> None:
-        """A detected spike that parked nobody is over: its episode ends."""
-        self.spike_ends.remove(fid)
-        self.cluster.spikes.pop(fid, None)
-        self.sim.emit_episode("recover_end", fid)
 
     # ------------------------------------------------------------------ a spare rejoins
     def rebalance(self) -> Generator:

@@ -123,8 +123,11 @@ def watch_stragglers(c: Coordinator, reps: dict[str, dict]) -> None:
     """Apply the straggler watch's verdicts on one committed step to the spikes' episodes."""
     st = c.state
     may_park = c.policy.kind == "absorb" and len(st.slot_map) > 1
+    judged: dict[int, tuple[Episode, bool]] = {}  # the spikes on judged members: any of them slow?
     for v in st.watch.judge(reps, may_park):
         ep = st.book.jitter_on(v.node)
+        if ep is not None:
+            judged[ep.fault_id] = (ep, v.slow or (ep.fault_id in judged and judged[ep.fault_id][1]))
         if v.slow:
             if ep is not None and ep.detect(c.now()):
                 c.emit_ep("detect", ep, node=v.node, how="slow steps", per_slot_s=v.per_slot_s,
@@ -136,9 +139,10 @@ def watch_stragglers(c: Coordinator, reps: dict[str, dict]) -> None:
                 st.to_park[v.node] = ep.fault_id if ep is not None else None
                 c.abort()
                 return
-        elif ep is not None and ep.stage == Stage.DETECTED:
-            ep.ok += 1  # detected but never moved: over once it is fine for a window
-            if R.window_full(ep.ok, c.policy.straggler_window):
+    for ep, any_slow in judged.values():  # detected but never moved: over once fine for a window
+        if ep.stage == Stage.DETECTED:
+            ep.ok, over = R.spike_settled(ep.ok, any_slow, c.policy.straggler_window)
+            if over:
                 ep.stage = Stage.RECOVERING
                 c.end_episode(ep)
 
