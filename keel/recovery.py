@@ -233,20 +233,23 @@ class Verdict:
     park: bool = False        # slow for straggler_window steps in a row: park it (the step's judging stops here)
 
 
+def median_pace_s(per_slot_s: Mapping[str, float], speeds: Mapping[str, float]) -> float:
+    """The members' median per-slot time at nominal speed (`speeds`: member -> its region's
+    speed, 1.0 if absent): what `judge_step` judges each member's own pace by."""
+    return statistics.median(nominal_per_slot_s(v, speeds.get(m, 1.0)) for m, v in per_slot_s.items())
+
+
 def judge_step(per_slot_s: Mapping[str, float], speeds: Mapping[str, float], slow: dict[str, int],
-               factor: float, window: int, may_park: bool) -> tuple[float | None, list[Verdict]]:
-    """The straggler rule on one committed step. `per_slot_s`: each member's seconds per slot
-    to reach the step's collective (its compute and its communication gate's delay), in the
-    members' order (scenario order); `speeds`: member -> its region's speed (1.0 if absent);
-    `slow`: each member's slow steps in a row, updated here. Each member is judged against its
-    own pace (`is_straggler`); the first one slow `window` steps in a row is parked (where
-    `may_park`) and the members after it are not judged this step. Returns the members' median
-    nominal pace (None, and no verdict, with fewer than two members) and the verdicts.
-    The runtime's coordinator calls it on the measured step reports, the twin on the times
-    it predicts from the scenario's draws (twin/stragglers.py)."""
-    if len(per_slot_s) < 2:
-        return None, []
-    med = statistics.median(nominal_per_slot_s(v, speeds.get(m, 1.0)) for m, v in per_slot_s.items())
+               factor: float, window: int, may_park: bool, median_s: float) -> list[Verdict]:
+    """The straggler rule on one committed step of two members or more. `per_slot_s`: each
+    member's seconds per slot to reach the step's collective (its compute and its
+    communication gate's delay), in the members' order (scenario order); `median_s`: their
+    `median_pace_s`; `slow`: each member's slow steps in a row, updated here. Each member is
+    judged against its own pace (`is_straggler`); the first one slow `window` steps in a row
+    is parked (where `may_park`) and the members after it are not judged this step. The
+    runtime's coordinator calls it on the measured step reports, the twin on the times it
+    predicts from the scenario's draws (twin/stragglers.py)."""
+    med = median_s
     out = []
     for m, v in per_slot_s.items():
         pace = own_pace_s(med, speeds.get(m, 1.0))
@@ -256,7 +259,7 @@ def judge_step(per_slot_s: Mapping[str, float], speeds: Mapping[str, float], slo
         out.append(Verdict(m, hit, v, pace, park))
         if park:
             break
-    return med, out
+    return out
 
 
 def spike_settled(fine_steps: int, any_slow: bool, window: int) -> tuple[int, bool]:

@@ -58,6 +58,14 @@ def compute_factor(seed: int, node: str, step: int, cv: float) -> float:
     return min(max(1.0 + cv * z, 0.05), 1.0 + 6.0 * cv)
 
 
+def compute_factor_range(cv: float) -> tuple[float, float]:
+    """The least and the most `compute_factor` can draw at `cv`: its clamp, and below, the
+    largest |z| Box-Muller can make from u1 >= 1 / (2^64 + 1), sqrt(2 ln(2^64 + 1)) ~ 9.42."""
+    if cv <= 0:
+        return 1.0, 1.0
+    return max(0.05, 1.0 - math.sqrt(2.0 * math.log(2.0 ** 64 + 1)) * cv), 1.0 + 6.0 * cv
+
+
 def config_hash(scenario: Scenario) -> str:
     """sha256 (64 hex) of the resolved scenario in canonical JSON."""
     return scenario.config_hash()

@@ -119,6 +119,20 @@ def test_compute_factor_stream():
     assert all(0.05 <= d <= 1.18 for d in draws)
 
 
+def test_compute_factor_range_bounds_every_draw():
+    """The twin skips judging a spiked step no draw can make slow (twin/stragglers.py): that
+    needs the least and the most a draw can be, the clamp above and Box-Muller's largest |z|
+    (u1 >= 1 / (2^64 + 1)) below, reached at the least u1 and u2 = 1/2."""
+    import math
+    from keel.scenario import compute_factor_range
+    for cv in (0.0, 0.02, 0.1, 0.5):
+        lo, hi = compute_factor_range(cv)
+        draws = [compute_factor(s, f"r/{i}", k, cv) for s in (1, 2) for i in range(4) for k in range(500)]
+        assert all(lo <= d <= hi for d in draws), cv
+    z = math.sqrt(-2.0 * math.log(1 / (2.0 ** 64 + 1))) * math.cos(math.pi)
+    assert compute_factor_range(0.02)[0] == pytest.approx(1.0 + 0.02 * z) and compute_factor_range(0.5)[0] == 0.05
+
+
 def test_emulation_table_is_checked():
     sc = loads(scenario_text(extra="[emulation]\nenabled = true\ntime_scale = 0.25\n"), "<t>")
     assert sc.emulation.enabled and sc.emulation.time_scale == 0.25

@@ -348,3 +348,29 @@ def test_the_twin_judges_each_step_as_the_runtimes_watch_does(target, spike_ms, 
     predicted = _twin_watch(twin.simulate(sc).events)
     assert predicted == _runtime_watch(sc, range(7, sc.run.steps + 1), (target, spike_ms))
     assert predicted[0][0] == "detect" and predicted[-1][0] in ("park", "recover_end")
+
+
+@pytest.mark.parametrize("spike_ms,window", [(900.0, 2), (60.0, 1)])
+def test_a_big_cluster_is_judged_on_its_spiked_members_as_the_runtime_judges_it(monkeypatch, spike_ms, window):
+    """Over twin.stragglers.EXACT_MEDIAN_MEMBERS members the twin draws the compute of the
+    spiked members only and judges them against the nominal pace (drawing every member at
+    every spiked step cost members x steps); the runtime's watch, on every member's report
+    and their median, decides the same for a spike well over the rule (parked after the
+    window) and one under it (never slow)."""
+    from keel.scenario import from_dict
+    import twin.stragglers as S
+    raw = _sweep_member_2_19().to_dict()
+    for region, nodes in zip(raw["regions"], (30, 30, 40)):
+        region["nodes"] = nodes
+    raw["workload"]["slots"] = 0  # one a training node
+    raw["faults"]["schedule"] = [{"at_step": 6, "class": "network_jitter", "target": "eu-west/7",
+                                  "spike_ms": spike_ms, "duration_s": 1000.0}]
+    raw["policy"]["straggler_window"] = window
+    sc = from_dict(raw, "big")
+    drawn: set[str] = set()
+    real = S.compute_factor
+    monkeypatch.setattr(S, "compute_factor", lambda seed, node, *a: drawn.add(node) or real(seed, node, *a))
+    predicted = _twin_watch(twin.simulate(sc).events)
+    assert drawn <= {"eu-west/7"}
+    assert predicted == _runtime_watch(sc, range(7, sc.run.steps + 1), ("eu-west/7", spike_ms))
+    assert predicted == ([("detect", 7), ("park", 6 + window, "eu-west/7", True)] if spike_ms > 500 else [])

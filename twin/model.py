@@ -14,7 +14,7 @@ Where things live in twin/:
 - checkpoints.py: `Checkpoints`: when one is due, its pause, the background write. fault_kinds/: each class's
   strike and arrivals (coordinator_loss.py: also what the loss does to the trainer, a mixin of `Simulation`;
   data_shard_skew.py: the quarantine when the step comes out non-finite).
-- stragglers.py: `Stragglers`: re-slots no death forces (a straggler parked and back, a rejoined spare).
+- stragglers.py: `Stragglers`: the straggler watch, a straggler parked and back; rejoin.py: a rejoined spare.
 - params.py: `TwinParams`, the scenario's figures with a calibration's applied.
 Every recovery decision is keel.recovery's; these modules only time it.
 
@@ -92,6 +92,7 @@ from keel import recovery as R
 from keel.metrics import open_at_end
 from keel.scenario import Scenario
 from twin.checkpoints import Checkpoints
+from twin import rejoin
 from twin.fault_kinds import data_shard_skew
 from twin.fault_kinds.coordinator_loss import CoordinatorLossMixin
 from twin.cluster import Cluster
@@ -283,7 +284,7 @@ class Simulation(CoordinatorLossMixin):
                 elif not (yield from self.checkpoints.finish()):  # its last checkpoint durable first
                     break
             elif self.rejoined:
-                yield from st.rebalance()
+                yield from rejoin.rebalance(self)
             elif self.checkpoints.due(self.committed):
                 self.faults.fire_scheduled_at(self.committed)  # they strike at the commit, as it begins
                 yield from self.checkpoints.take()

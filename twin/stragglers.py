@@ -1,21 +1,14 @@
-"""Re-slotting under absorb that no node death forces: a latency spike's straggler judged,
-parked on a spare or faster nodes and brought back once its probes are good, and a repaired
-node that rejoins as a spare relieving overloaded nodes.
+"""A latency spike's straggler under absorb: judged, parked on a spare or faster nodes, and
+back once its probes are good (a repaired node rejoining as a spare: twin/rejoin.py).
 
-The straggler watch predicts the runtime's, step by step (issue 25, sweep member 2/19): the
-runtime judges each committed step on what each member took to reach its collective, its
-compute and its communication gate's delay (keel.recovery.judge_step); the twin judges the
-same step on what the scenario's draws make those times (`keel.scenario.compute_factor`,
-`keel.scenario.spike_factor`, both pure functions of the run's seed, the node and the step),
-with the same function. A spike delays the gate of every step that starts while it lasts (and
-of the step in flight when it starts, where that step has not reached its gate yet): the
-step in flight when it ends is still judged at its commit, after the spike is over. The first
-member slow `straggler_window` steps in a row is parked (one node at a time, where
-keel.recovery.park_destinations says), and the judging starts over in the new generation.
-A park belongs to its spike's episode while that is open; after a spike that never made a
-straggler its episode has ended (just before the first commit after it), and the park is a
-re-slot of no fault, as in the runtime. The generators run inside the trainer process
-(twin/model.py), through its `wait`.
+The watch predicts the runtime's step by step, with its function (keel.recovery.judge_step)
+on the times the scenario's draws make (`keel.scenario.compute_factor`, `spike_factor`: pure
+functions of the run's seed, the node and the step). A spike delays the gate of every step that
+starts while it lasts (and of the step in flight at its start, where that has not reached its
+gate): the step in flight at its end is judged at its commit, after the spike. The first member
+slow `straggler_window` steps in a row is parked, one node at a time; judging starts over in
+the new generation. A park after its spike's episode ended is a re-slot of no fault, as in the
+runtime. The generators run inside the trainer process (twin/model.py), through its `wait`.
 """
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ from typing import TYPE_CHECKING, Generator
 
 from keel import recovery as R
 from keel.events import Event
-from keel.scenario import compute_factor, spike_factor
+from keel.scenario import compute_factor, compute_factor_range, spike_factor
 from twin.cluster import Spike, merge
 from twin.faults import Cause
 
@@ -35,6 +28,9 @@ if TYPE_CHECKING:
 # The watch predicts this many steps ahead at a time; a spike that lasts longer is looked at
 # again from there (a segment bound), so a long spike on short steps costs no more per look.
 LOOKAHEAD_STEPS = 256
+# Up to this many members the watch draws every member's compute for the median pace, as the
+# runtime measures it (Stragglers._judge); beyond, the nominal pace.
+EXACT_MEDIAN_MEMBERS = 64
 
 
 @dataclass
@@ -80,6 +76,7 @@ class Stragglers:
         self.parks: list[Park] = []             # stragglers standing by
         self.returning: list[Park] = []         # ... whose probes are good: back at the next chance
         self.ends_at_commit: list[int] = []     # spikes over that made no straggler: closed at the next commit
+        self.drawn: dict[tuple, tuple] = {}     # (step, layout, gates) -> each member's time per slot, speeds, median
 
     # ------------------------------------------------------------------ what the trainer asks
     def spike_started(self, fid: int) -> None:
@@ -163,9 +160,10 @@ class Stragglers:
     # ------------------------------------------------------------------ the prediction
     def _judge(self, step: int, slow: dict[str, int], spiked: dict[int, list[str]]) -> list[R.Verdict]:
         """keel.recovery.judge_step on step `step` (1-based) as the scenario's draws make it:
-        each member's compute and its gate's delay (the latest spike on it: spike_s x the
-        runtime's own draw for that node and step), over its slots. `spiked`: fault id -> the
-        members its spike covers."""
+        each member's compute and its gate's delay (spike_s x the runtime's own draw for that
+        node and step), over its slots; `spiked`: fault id -> the members its spike covers. Over
+        EXACT_MEDIAN_MEMBERS members only the spiked ones are drawn (the compute alone is never
+        slow), against the nominal pace: their median is within ~compute_jitter / sqrt(members)."""
         gates: dict[str, float] = {}
         for fid, names in spiked.items():
             g = self.gating[fid]
@@ -175,16 +173,36 @@ class Stragglers:
         if not gates:  # no gate delayed: nobody is slow (the compute's jitter alone never is)
             slow.clear()
             return []
-        jitter, per, speeds = self.params.compute_jitter, {}, {}
-        for n in self.cluster.active():
-            if n.slots > 0:
-                compute = n.slots * self.params.slot_compute_s / n.speed * compute_factor(self.seed, n.name, step - 1,
-                                                                                          jitter)
-                per[n.name] = (compute + gates.get(n.name, 0.0)) / n.slots
-                speeds[n.name] = n.speed
-        may_park = self.sim.absorb and len(per) > 1
+        members = [n for n in self.cluster.active() if n.slots > 0]
+        if len(members) < 2:
+            return []
+        jitter, base = self.params.compute_jitter, self.params.slot_compute_s
+        lo = compute_factor_range(jitter)[0]
+        exact = len(members) <= EXACT_MEDIAN_MEMBERS
+        key = (step, self.cluster.layout_version, tuple(sorted(gates.items())))
+        if key not in self.drawn:  # the same step is judged again as it commits, and by each new look
+            def per_slot(n) -> float:
+                factor = compute_factor(self.seed, n.name, step - 1, jitter)
+                return (n.slots * base / n.speed * factor + gates.get(n.name, 0.0)) / n.slots
+            spiked_per = {n.name: per_slot(n) for n in members if n.name in gates}
+            # slow at no draw of the others: no median can be under their compute's least
+            if not any(R.is_straggler(spiked_per[n.name], R.own_pace_s(base * lo, n.speed), self.policy.straggler_factor)
+                       for n in members if n.name in gates):
+                self.drawn[key] = None
+            else:
+                per = {n.name: spiked_per[n.name] if n.name in gates else per_slot(n)
+                       for n in members if exact or n.name in gates}
+                speeds = {n.name: n.speed for n in members if n.name in per}
+                self.drawn[key] = per, speeds, R.median_pace_s(per, speeds) if exact else base
+        if self.drawn[key] is None:
+            slow.clear()
+            return []
+        per, speeds, median = self.drawn[key]
+        if not exact:
+            for name in [m for m in slow if m not in per]:
+                del slow[name]
         return R.judge_step(per, speeds, slow, self.policy.straggler_factor, self.policy.straggler_window,
-                            may_park)[1]
+                            self.sim.absorb, median)
 
     def _open(self, fid: int, step: int, detected: set[int], closed: set[int]) -> bool:
         """Whether a spike's episode is open at the commit of `step`: one that never made a
@@ -236,12 +254,20 @@ class Stragglers:
         sim = self.sim
         committed = sim.committed
         spiked = {f: [n.name for n in self.cluster.spiked_holders(g.spike)] for f, g in self.gating.items()}
-        if self.gating:
-            for k in range(self.judged + 1, committed + 1):
+        k = self.judged + 1
+        while k <= committed:  # the committed steps, into the counts; a stretch no spike delays at once
+            if any(g.gates(k) for g in self.gating.values()):
                 self._step(k, self.slow, self.fine, spiked, set(), set())
-        else:  # nothing delays any step: nobody is slow
-            self.slow.clear()
+                k += 1
+                continue
+            upto = min([g.first for g in self.gating.values() if g.first > k] + [committed + 1])
+            self.slow.clear()  # nobody slow: each open, detected spike that parked no one had so many fine steps
+            for f, names in spiked.items():
+                if names and self._open(f, upto - 1, set(), set()) and not self._parking(f):
+                    self.fine[f] = self.fine.get(f, 0) + upto - k
+            k = upto
         self.judged = max(self.judged, committed)
+        self.drawn = {key: v for key, v in self.drawn.items() if key[0] > committed}
         self.gating = {f: g for f, g in self.gating.items() if g.last is None or g.last > committed or (
             not g.spike.closed and (g.spike.detected or self._parking(f)))}
         spiked = {f: spiked[f] for f in self.gating}
@@ -413,26 +439,3 @@ class Stragglers:
         if fid is not None and fid in c.spikes and not c.spikes[fid].active and not self._parking(fid):
             c.spikes.pop(fid).closed = True
             sim.emit_episode("recover_end", fid)
-
-    # ------------------------------------------------------------------ a spare rejoins
-    def rebalance(self) -> Generator:
-        """A repaired node rejoined as a spare: under absorb it relieves overloaded nodes."""
-        sim, c = self.sim, self.cluster
-        sim.rejoined = False
-        if not sim.absorb:
-            return
-        moved: list[tuple[str, int]] = []
-        while c.spares and c.overloaded():
-            worst = max(c.active(), key=lambda n: (n.slots / n.speed, -n.index))
-            if worst.slots < 2:
-                break
-            spare = c.spare_nodes(1)[0]
-            give = worst.slots // 2
-            c.update(worst, slots=worst.slots - give)
-            c.update(spare, role="train", slots=give)
-            moved.append((spare.name, give))
-        if not moved:
-            return
-        sim.emit("reslot", None, moved[0][0], None, reason="rejoin", to=[f"{n}:{k}" for n, k in moved])
-        yield from sim.wait(self.params.reform_s + self.params.spare_takeover_s + self.cost.transfer_s(moved), "paused")
-        sim.new_generation()

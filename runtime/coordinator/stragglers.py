@@ -42,9 +42,10 @@ class StragglerWatch:
         order): keel.recovery.judge_step on the measured seconds per slot to reach the
         collective; the smoothed median (the probes' pace) and per-worker times follow."""
         per = {m: float(r["ready_s"]) / max(1, int(r["slots"])) for m, r in reports.items()}
-        med, out = R.judge_step(per, self.speeds, self.slow, self.factor, self.window, may_park)
-        if med is None:
+        if len(per) < 2:
             return []
+        med = R.median_pace_s(per, self.speeds)
+        out = R.judge_step(per, self.speeds, self.slow, self.factor, self.window, may_park, med)
         self.median_per_slot = med if self.median_per_slot is None else 0.8 * self.median_per_slot + 0.2 * med
         for v in out:
             prev = self.per_slot.get(v.node)
