@@ -67,6 +67,22 @@ def read_regular(path: Path, limit: int) -> bytes:
         os.close(fd)
 
 
+def check_dir_path(path: str | Path, flag: str = "--out") -> None:
+    """What can be known of a directory to write without writing anything: a file where it
+    should be, or where one of its parents should be (an `InputError` as check_writable_dir's).
+    `keel run` asks it before the job's contract check, which imports torch and builds the
+    model: a bad --out is refused in a fraction of a second."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{path}: exists and is not a directory; expected a directory to write the run into ({flag})")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InputError(f"{path}: cannot create the directory ({parent} is not a directory); "
+                                 f"expected a writable directory ({flag})")
+            return
+
+
 def check_writable_dir(path: str | Path, flag: str = "--out") -> Path:
     """Create `path` (and its parents) if missing and prove it writable before any work starts:
     a probe file of PROBE_BYTES written, fsynced and removed. An `InputError` that names the

@@ -80,10 +80,12 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, *, steps: int | None =
     `device`/`backend` default to $KEEL_DEVICE ("cpu") and $KEEL_BACKEND ("gloo"; "nccl" needs
     a GPU per worker)."""
     import os
-    from keel.durable import check_resume_dir, check_writable_dir
-    check_runnable(scenario, steps)
-    if resume is not None:  # bad directories are refused before anything is written, imported or started
+    from keel.durable import check_dir_path, check_resume_dir, check_writable_dir
+    check_dir_path(out_dir)  # bad directories are refused before anything is written, imported or started
+    if resume is not None:
         check_resume_dir(resume)
+    check_runnable(scenario, steps)
+    if resume is not None:
         if allow_config_change:  # a changed model shape: found here, not once every worker has started
             from runtime.resume_check import check_resume_shapes
             check_resume_shapes(scenario, resume)

@@ -53,16 +53,20 @@ def run(args: argparse.Namespace) -> int:
     if args.time_scale is not None and not scenario.emulation.enabled:
         raise InputError("--time-scale: only an emulated run has a time scale "
                          "(add --emulate, or set emulation.enabled = true)")
-    from runtime.api import check_runnable
-    check_runnable(scenario, args.steps)  # before anything is written or started
-    from runtime.capacity import check_machine
-    scenario = check_machine(scenario)  # processes, memory, an emulation's time scale (auto: chosen): before any start
     if args.out:
         out = Path(args.out)
     elif args.resume:
         out = Path(args.resume)
     else:
         out = Path("runs") / scenario.run.name / time.strftime("%Y%m%d-%H%M%S")
+    from keel.durable import check_dir_path, check_resume_dir
+    check_dir_path(out)  # what is known of the directories without writing: before the job's imports
+    if args.resume:
+        check_resume_dir(args.resume)
+    from runtime.api import check_runnable
+    check_runnable(scenario, args.steps)  # before anything is written or started
+    from runtime.capacity import check_machine
+    scenario = check_machine(scenario)  # processes, memory, an emulation's time scale (auto: chosen): before any start
     try:
         summary = run_scenario(scenario, out, steps=args.steps, resume=args.resume, no_faults=args.no_faults,
                                allow_config_change=args.allow_config_change, progress=True)
