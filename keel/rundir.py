@@ -113,11 +113,10 @@ class RunDirLock:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = self._holder() or "another process"
+            holder = self._holder()
             os.close(self.fd)  # not held: its file stays as its holder wrote it
             self.fd = None
-            raise InputError(f"{flag} {run_dir}: in use by {holder}; a run directory holds one run at a time "
-                             f"(wait for that run, stop it, or choose another directory)") from None
+            raise _in_use(run_dir, flag, holder) from None
         previous = self._holder()
         if previous:
             print(f"keel: {run_dir}: a stale lock of {previous}, which exited without releasing it; taken over",
@@ -152,6 +151,32 @@ class RunDirLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _in_use(run_dir: str | Path, flag: str, holder: str) -> InputError:
+    return InputError(f"{flag} {run_dir}: in use by {holder or 'another process'}; a run directory holds one run "
+                      f"at a time (wait for that run, stop it, or choose another directory)")
+
+
+def check_not_in_use(run_dir: str | Path, flag: str = "--out") -> None:
+    """The InputError RunDirLock would raise, found without writing anything (the lock file
+    opened read-only, only if it exists): `keel run` asks before the job's imports and checks;
+    the supervisor's RunDirLock still takes the lock for the run."""
+    import fcntl
+    run_dir = Path(run_dir)
+    if run_dir.name == "checkpoints" and flag == "--resume":
+        run_dir = run_dir.parent
+    try:
+        fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return  # no lock file (or none readable): RunDirLock decides
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+        raise _in_use(run_dir, flag, text if text.startswith("pid ") else "") from None
+    finally:
+        os.close(fd)  # closing drops the flock taken, if any
 
 
 def lock_run_dirs(out_dir: str | Path, resume: str | Path | None = None) -> list[RunDirLock]:

@@ -60,9 +60,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         out = Path("runs") / scenario.run.name / time.strftime("%Y%m%d-%H%M%S")
     from keel.durable import check_dir_path, check_resume_dir
+    from keel.rundir import check_not_in_use
     check_dir_path(out)  # what is known of the directories without writing: before the job's imports
+    check_not_in_use(out)
     if args.resume:
         check_resume_dir(args.resume)
+        check_not_in_use(args.resume, "--resume")
     from runtime.api import check_runnable
     check_runnable(scenario, args.steps)  # before anything is written or started
     from runtime.capacity import check_machine

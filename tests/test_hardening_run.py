@@ -14,16 +14,21 @@ from pathlib import Path
 import pytest
 
 from keel.errors import InputError
-from keel.rundir import LOCK, RunDirLock
+from keel.rundir import LOCK, RunDirLock, check_not_in_use
 from runtime_helpers import REPO, keel, write_scenario
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def test_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
+    check_not_in_use(tmp_path)  # no lock file: nothing said, nothing written
+    assert not (tmp_path / LOCK).exists()
     with RunDirLock(tmp_path):
         with pytest.raises(InputError, match=rf"in use by pid {os.getpid()} on "):
             RunDirLock(tmp_path)
+        with pytest.raises(InputError, match=rf"--resume {tmp_path}: in use by pid {os.getpid()} on "):
+            check_not_in_use(tmp_path / "checkpoints", "--resume")  # keel run's early look, read-only
+    check_not_in_use(tmp_path)
     with RunDirLock(tmp_path):  # released: free again, and not stale
         pass
     assert (tmp_path / LOCK).read_text() == ""
