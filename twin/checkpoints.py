@@ -30,6 +30,7 @@ class Checkpoints:
         self.attempted = 0     # the last step a checkpoint was taken at (its write may be running)
         self.writer: simpy.Process | None = None
         self.writing_node: str | None = None  # the node writing it (the lowest rank when it was taken)
+        self.taken_at = -1.0   # when the last checkpoint was taken: at its step's commit
 
     def due(self, committed: int) -> bool:
         c = committed
@@ -53,6 +54,15 @@ class Checkpoints:
         if self.writer is not None and self.writer.is_alive:
             self.writer.interrupt(reason)
 
+    def unconfirmed(self) -> None:
+        """The coordinator died now under checkpoint_restart: a checkpoint taken at this very
+        commit is never published, its step never confirmed (runtime/protocol.py); one of an
+        earlier, confirmed step still is once written. Its pause is broken by the job's stop
+        (`Cause.aborts_checkpoint`); the rest of its write, where the writer's region was ahead
+        and the pause ended at once (sweep member 3/15), here."""
+        if self.taken_at == self.env.now:
+            self.abort("its step never confirmed")
+
     def nodes_lost(self, nodes: tuple[str, ...]) -> None:
         """Nodes died: the background write is lost if its writer is one of them (every node
         holds the whole state; another node's loss does not stop it, nor the runtime's)."""
@@ -69,6 +79,7 @@ class Checkpoints:
         step = sim.committed
         mode = self.config.mode
         sim.emit("checkpoint_start", mode=mode)
+        self.taken_at = self.env.now
         self.attempted = step  # once: a write broken off is not taken again (nor by the runtime)
         sync = mode == "sync"
         stall = self.cost.share_s(self.params.ckpt_write_gbyte_s if sync else self.params.ckpt_snapshot_gbyte_s)

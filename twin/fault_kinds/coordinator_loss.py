@@ -79,6 +79,7 @@ class CoordinatorLossMixin:
         under checkpoint_restart the job stops."""
         self.outages[fid] = self.env.now
         if not self.absorb:
+            self.checkpoints.unconfirmed()
             self.notify(Cause("coordinator_down", fid, interrupts_run=True, aborts_pause=True,
                               aborts_checkpoint=True))
         elif self.hold_from is None:
