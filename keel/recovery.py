@@ -249,10 +249,9 @@ def judge_step(per_slot_s: Mapping[str, float], speeds: Mapping[str, float], slo
     is parked (where `may_park`) and the members after it are not judged this step. The
     runtime's coordinator calls it on the measured step reports, the twin on the times it
     predicts from the scenario's draws (twin/stragglers.py)."""
-    med = median_s
     out = []
     for m, v in per_slot_s.items():
-        pace = own_pace_s(med, speeds.get(m, 1.0))
+        pace = own_pace_s(median_s, speeds.get(m, 1.0))
         hit = is_straggler(v, pace, factor)
         slow[m] = in_a_row(slow.get(m, 0), hit)
         park = hit and may_park and window_full(slow[m], window)

@@ -41,8 +41,8 @@ Semantics (docs/design.md for step numbering and fault ids):
   commit as the runtime judges it (twin/stragglers.py): a spike is detected at its first slow
   step, a straggler parked after straggler_window of them and back after as many good probes,
   each move aborting the step in flight (drained, then redone). The episode ends at its last
-  straggler's return, or just before the first commit after the spike where nothing moved (as
-  the runtime ends both), or just before `run_end`, `at_run_end` (keel.metrics.open_at_end).
+  straggler's return; found slow, parking no one, once fine a window (recovery.spike_settled);
+  else just before the first commit after the spike, or before `run_end` (`at_run_end`).
 - `data_shard_skew`: the step in flight yields NaN at its end and is not committed. With
   policy.quarantine the shard is quarantined; absorb redoes the step, checkpoint_restart rolls
   back to the last checkpoint (a restart). A drawn NaN on a quarantined shard is skipped.
