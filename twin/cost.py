@@ -28,6 +28,7 @@ class StepCost:
         self.state_bytes = scenario.checkpoint.weights_bytes + scenario.checkpoint.optimizer_bytes
         self._shape_cache: tuple[int, StepShape] | None = None
         self._expected_cache: dict[tuple, float] = {}
+        self._ends_cache: dict[tuple, dict[str, float]] = {}
         reference: dict[str, int] = {}  # the membership TwinParams' reduction figures refer to
         for n in cluster.order[: scenario.training_nodes]:
             reference[n.region] = reference.get(n.region, 0) + 1
@@ -131,10 +132,13 @@ class StepCost:
         too. The others run on into the next step; it ends later only where the writer's
         region, starting late, is on its longest chain (`next_end`). One region: the pause is
         the stall (sync: the write)."""
-        a = {u: dict(row) for u, row in self.current_shape().cycle}
+        cycle = self.current_shape().cycle
+        a = {u: dict(row) for u, row in cycle}
         if writer_region not in a:  # one region (or a writer holding no slot): everyone waits
             return stall_s, stall_s, stall_s + write_s
-        ends = settled_ends(a)
+        ends = self._ends_cache.get(cycle)
+        if ends is None:
+            ends = self._ends_cache[cycle] = settled_ends(a)
         durable = max(0.0, ends[writer_region] + stall_s + write_s)
         free = durable if sync else ends[writer_region] + stall_s
         late = {**ends, writer_region: free}

@@ -228,8 +228,9 @@ class Stragglers:
         detects: list[int] = []
         if not verdicts:  # no gate delayed: every member fine
             any_slow = {f: False for f, names in spiked.items() if names and self._open(f, k, detected, closed)}
+        covered = {name for names in spiked.values() for name in names}
         for v in verdicts:
-            fid = self._episode(v.node, k, detected, closed)
+            fid = self._episode(v.node, k, detected, closed) if v.node in covered else None
             if fid is not None:
                 any_slow[fid] = any_slow.get(fid, False) or v.slow
                 if v.slow and fid not in detected and not self.gating[fid].spike.detected:

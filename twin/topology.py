@@ -85,6 +85,7 @@ class Topology(MessageLevel):
         self._ring_cache: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._cost_cache: dict[tuple[tuple[str, int], ...], ReductionCost] = {}
         self._spike_cache: dict[tuple, float] = {}
+        self._ring_time_cache: dict[tuple, float] = {}
         self._chain_spike_cache: dict[tuple, dict[str, float]] = {}
         self._chain_cache: dict[tuple, dict[str, dict[str, tuple[float, float]]]] = {}
         self._resource_cache: dict[tuple[str, str], tuple[tuple[tuple, float], ...]] = {}
@@ -245,11 +246,16 @@ class Topology(MessageLevel):
         fixed = {a: self._latency(a, b) for a, b in edges}
         pairs = [(a, b) for a in ring for b in ring if a != b]
         x_fixed = {(a, b): self._latency(a, b) for a, b in pairs}
-        names, ranks, resources = self._coarse(shape)
+        groups, scale = self.coarse_ring([[f"{r}/{i}" for i in range(shape[r])] for r in ring])
+        names = [n for g in groups for n in g]
+        ranks, first = [], 0
+        for g in groups:
+            ranks.append(tuple(range(first, first + len(g))))
+            first += len(g)
 
         def slowest(step: collective.Step) -> dict[tuple[str, str], float]:
             out: dict[tuple[str, str], float] = {}
-            for m, x in zip(step.msgs, self._shared_per_byte(names, step, resources)):
+            for m, x in zip(step.msgs, self._shared_per_byte(names, step, scale)):
                 key = (region_of(names[m.src]), region_of(names[m.dst]))
                 out[key] = max(out.get(key, 0.0), x)
             return out
@@ -298,23 +304,28 @@ class Topology(MessageLevel):
         """Extra time a latency spike of `spike_s` on `target` (a node or a region's links)
         adds to one all-reduce over `active_per_region` (`collective_s` with and without it).
         A node's spike delays only the node's own messages, so it is priced at node level
-        (`node_collective_s` over the ring of `members`, the nodes holding slots, where given;
-        issue 25: priced as its region's worst chain, every message the region sends spiked,
-        it was 25-80 % too long on generated clusters)."""
+        (`node_collective_s` over the ring of `members`, the nodes holding slots, where given,
+        a region of more than NODE_LEVEL_CAP cut down by `coarse_ring`; issue 25: priced as its
+        region's worst chain, every message the region sends spiked, it was 25-80 % too long on
+        generated clusters; until 7 Dec every node of a 512-node region was priced, 7 s a spike)."""
         region = region_of(target)
         if active_per_region.get(region, 0) == 0 or spike_s <= 0:
             return 0.0
         shape = tuple(sorted((r, n) for r, n in active_per_region.items() if n > 0))
         ring = tuple(self._spike_ring(target, dict(shape), members)) if is_node(target) else ()
-        key = (shape, target, round(spike_s, 9), ring)
+        key = (ring or shape, target, round(spike_s, 9))
         got = self._spike_cache.get(key)
         if got is None:  # the spike strikes each all-reduce of the step (keel.wire)
             rounds = wire.scenario_rounds(self.scenario)
-            got = max(0.0, self.collective_s(dict(shape), rounds, (target, spike_s))
-                      - self.collective_s(dict(shape), rounds))
             if is_node(target):  # the node's own messages, not its region's: at node level
-                got = max(0.0, self.node_collective_s(ring, rounds, (target, spike_s)) - self.node_collective_s(ring, rounds))
-            self._spike_cache[key] = got
+                groups, scale = self.coarse_ring(ring, keep=target)
+                quiet_key = (tuple(groups), scale)
+                if quiet_key not in self._ring_time_cache:
+                    self._ring_time_cache[quiet_key] = self.node_collective_s(groups, rounds, scale=scale)
+                got = self.node_collective_s(groups, rounds, (target, spike_s), scale=scale) - self._ring_time_cache[quiet_key]
+            else:
+                got = self.collective_s(dict(shape), rounds, (target, spike_s)) - self.collective_s(dict(shape), rounds)
+            got = self._spike_cache[key] = max(0.0, got)
         return got
 
     def spike_chain_deltas_s(self, region: str, spike_s: float, active_per_region: dict[str, int]) -> dict[str, float]:
