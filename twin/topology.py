@@ -36,7 +36,7 @@ import networkx as nx
 
 from keel import collective, hardware, wire
 from keel.scenario import Scenario, is_node, region_of
-from twin.messages import PLAN_LENGTH, MessageLevel
+from twin.messages import PLAN_LENGTH, SPIKE_NODE_CAP, MessageLevel
 
 GBIT = hardware.GBIT
 
@@ -305,7 +305,7 @@ class Topology(MessageLevel):
         adds to one all-reduce over `active_per_region` (`collective_s` with and without it).
         A node's spike delays only the node's own messages, so it is priced at node level
         (`node_collective_s` over the ring of `members`, the nodes holding slots, where given,
-        a region of more than NODE_LEVEL_CAP cut down by `coarse_ring`; issue 25: priced as its
+        a region of more than SPIKE_NODE_CAP cut down by `coarse_ring`; issue 25: priced as its
         region's worst chain, every message the region sends spiked, it was 25-80 % too long on
         generated clusters; until 7 Dec every node of a 512-node region was priced, 7 s a spike)."""
         region = region_of(target)
@@ -318,7 +318,7 @@ class Topology(MessageLevel):
         if got is None:  # the spike strikes each all-reduce of the step (keel.wire)
             rounds = wire.scenario_rounds(self.scenario)
             if is_node(target):  # the node's own messages, not its region's: at node level
-                groups, scale = self.coarse_ring(ring, keep=target)
+                groups, scale = self.coarse_ring(ring, keep=target, cap=SPIKE_NODE_CAP)
                 quiet_key = (tuple(groups), scale)
                 if quiet_key not in self._ring_time_cache:
                     self._ring_time_cache[quiet_key] = self.node_collective_s(groups, rounds, scale=scale)
