@@ -61,17 +61,26 @@ class Checkpoints:
                 stall = emu.c - c0
             self.stalls[step] = float(stall)
         else:
+            # emulated: this node's share written at the storage's speed before the rename that
+            # publishes it, as in the background (`_before_publish`): a restart decided during
+            # the write finds it unpublished, as on the cluster (sweep member 3/25, 7 Dec)
+            written = c0 + emu.storage_s(len(members), sc.checkpoint.write_gbyte_s) if emu is not None else None
+
+            def before_publish() -> None:
+                if written is not None:
+                    emu.wait_until(written)
+                self.chan.await_confirmed(step, self.aborted)
             try:
                 path = ck.save_checkpoint(run_dir, keep=sc.checkpoint.keep,
                                           **self._args(g, step, members, slot_map, quarantine),
-                                          before_commit=lambda: self.chan.await_confirmed(step, self.aborted))
+                                          before_commit=before_publish)
                 err = None
             except Exception as e:
                 path, err = None, e
             stall = time.perf_counter() - t0
             if emu is not None:  # the write of this node's share, and the coordinator's confirm it waited for
                 confirmed = emu.at(self.chan.confirmed_at) if err is None else 0.0
-                emu.c = max(emu.c + emu.storage_s(len(members), sc.checkpoint.write_gbyte_s), confirmed)
+                emu.c = max(written, confirmed)
                 emu.wait_until(emu.c)
                 stall = emu.c - c0
             self.stalls[step] = stall

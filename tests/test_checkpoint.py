@@ -358,3 +358,49 @@ def test_sigkill_mid_write_leaves_nothing_that_is_picked_up(tmp_path, mode, kill
     opt = build_optimizer(model, TINY)
     save(run, 20, model, opt)  # the next save cleans up after the dead writer
     assert sorted(p.name for p in run.iterdir()) == ["step-00000010", "step-00000020"]
+
+
+def test_an_emulated_sync_checkpoint_is_published_once_its_write_is_done(tmp_path):
+    """A sync checkpoint on an emulated node is published when the scenario's storage has
+    written this node's share, not when the real (small) write ends: a restart decided inside
+    the write finds it unpublished, as on the cluster. The rename used to come right after the
+    commit's confirmation and the storage time was slept after it, so a region lost at a sync
+    checkpoint's commit under checkpoint_restart relaunched from that checkpoint 1.3 s into its
+    1.55 s write (sweep member 3/25), and the twin, which has it durable at the write's end,
+    was 11 % off on the wall time."""
+    import time
+    from types import SimpleNamespace
+    from runtime.emulation.node import NodeEmulation
+    from runtime.worker_checkpoint import Checkpoints
+    scenario = sc.load(SCENARIOS / "local-8.toml", ["checkpoint.mode=sync"])
+    members = scenario.node_names
+    probe = NodeEmulation(scenario, members[0], time.monotonic(), 1.0)
+    write_s = probe.storage_s(len(members), scenario.checkpoint.write_gbyte_s)
+    emu = NodeEmulation(scenario, members[0], time.monotonic(), 0.6 / write_s)  # the write: 0.6 s of wall
+
+    class Link:  # the coordinator's side as the checkpoint sees it: step 4 confirmed already
+        confirmed, confirmed_at = 4, time.monotonic()
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+        def await_confirmed(self, step, give_up):
+            assert step <= self.confirmed
+
+    link = Link()
+    link.sent = []
+    model = build_model(TINY, seed=3)
+    loader_state = {"format": "keel-loader", "step": 4, "seed": 0, "version": "v" * 64, "quarantine": []}
+    job = SimpleNamespace(model=model, optimizer=build_optimizer(model, TINY), extra=None,
+                          loader=SimpleNamespace(state=lambda step, quarantine: loader_state))
+    run_info = {"out_dir": str(tmp_path), "config_hash": CONFIG_HASH, "scenario": {"model": {"lr": 0.001}}}
+    cps = Checkpoints(scenario, run_info, link, job, emu, aborted=lambda: False, stopping=lambda: False)
+    emu.c = emu.now()  # the step's commit, now
+    due = time.time() + (emu.wall(emu.c + write_s) - time.monotonic())  # the write's end, on the files' clock
+    cps.write(1, 4, members, {}, [])
+    final = tmp_path / "checkpoints" / "step-00000004"
+    assert final.is_dir(), f"the checkpoint was never published: {link.sent}"
+    published = final.parent.stat().st_mtime  # the rename that published it, the directory's last change
+    assert published >= due - 0.01, f"published {due - published:.3f} s before its emulated write ended"
+    end = next(m for m in link.sent if m["type"] == "ckpt_end")
+    assert end["path"] and end["stall_s"] == pytest.approx(write_s, rel=0.05)
