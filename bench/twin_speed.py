@@ -2,7 +2,7 @@
 clusters of 46, 512, 2,048 and 16,384 nodes (the 46-node scenario's four regions and fault
 rates, scaled), over 30 days, plus the 54-day run of 2,048 nodes (a 16,384-GPU frontier run).
 
-    .venv/bin/python bench/twin_speed.py [--repeat N] [--json]
+    .venv/bin/python bench/twin_speed.py [--repeat N] [--case NODESxDAYS ...] [--json]
 
 Targets on the project's 2-core machine: 30 days of 46 nodes in < 1 s; 54 days of 2,048 nodes
 in < 10 s. Cost should grow with the events (faults, checkpoints, re-slots), not nodes x steps.
@@ -67,10 +67,17 @@ def measure(nodes: int, days: float, repeat: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3, help="runs per case (seeds 0..N-1); the fastest counts")
+    ap.add_argument("--case", action="append", default=[], metavar="NODESxDAYS",
+                    help="only these of the cases (46x30, 512x30, 2048x30, 16384x30, 2048x54); repeatable")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    known = {f"{n}x{d}": (n, d, t) for n, d, t in CASES}
+    unknown = [c for c in args.case if c not in known]
+    if unknown:
+        print(f"twin_speed: --case {unknown[0]!r}: expected one of {', '.join(known)}", file=sys.stderr)
+        return 2
     rows = []
-    for nodes, days, target in CASES:
+    for nodes, days, target in [known[c] for c in args.case] or CASES:
         row = measure(nodes, days, args.repeat)
         row["target_s"] = target
         row["ok"] = None if target is None else row["wall_s"] < target
