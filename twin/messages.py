@@ -34,8 +34,8 @@ class MessageLevel:
         not only spreads it (until 7 Dec the twin took zero-mean noise: sweep member 2/0,
         its 5 ms links, -5.7 % against the emulated reduction's mean; +0.1 % with the jitter
         removed from both). By JITTER_DRAWS seeded draws over the reduction's plan at node
-        level (`node_collective_s`, a large region's nodes alike, `coarse_ring`), once per set of active
-        regions, each with the nodes the scenario trains on in it: the delay comes from the
+        level (`node_collective_s`, a large region cut down by `coarse_ring`), once per set of
+        active regions, each with the nodes the scenario trains on in it: the delay comes from the
         routes the ring crosses, and a node more or less in a region moves it little."""
         regions = tuple(r for r in self.region_names if active.get(r, 0) > 0)
         if sum(active.get(r, 0) for r in regions) <= 1 or len(regions) < 2:
@@ -47,8 +47,8 @@ class MessageLevel:
                 got = (0.0, 0.0)
             else:
                 # a region that trains nothing at the start (its nodes spares) with all its nodes
-                groups, scale = self.coarse_ring([[f"{r}/{i}" for i in range(self._trained[r] or self._regions[r].nodes)]
-                                                  for r in ring])
+                trained = {r: self._trained[r] or self._regions[r].nodes for r in ring}
+                groups, scale = self.coarse_ring([[f"{r}/{i}" for i in range(trained[r])] for r in ring])
                 times = self.node_collective_s(groups, wire.scenario_rounds(self.scenario), draws=JITTER_DRAWS,
                                                scale=scale)
                 extra = times[1:] - times[0]

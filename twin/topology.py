@@ -319,10 +319,11 @@ class Topology(MessageLevel):
             rounds = wire.scenario_rounds(self.scenario)
             if is_node(target):  # the node's own messages, not its region's: at node level
                 groups, scale = self.coarse_ring(ring, keep=target, cap=SPIKE_NODE_CAP)
-                quiet_key = (tuple(groups), scale)
-                if quiet_key not in self._ring_time_cache:
-                    self._ring_time_cache[quiet_key] = self.node_collective_s(groups, rounds, scale=scale)
-                got = self.node_collective_s(groups, rounds, (target, spike_s), scale=scale) - self._ring_time_cache[quiet_key]
+                cut = (tuple(groups), scale)
+                quiet = self._ring_time_cache.get(cut)
+                if quiet is None:
+                    quiet = self._ring_time_cache[cut] = self.node_collective_s(groups, rounds, scale=scale)
+                got = self.node_collective_s(groups, rounds, (target, spike_s), scale=scale) - quiet
             else:
                 got = self.collective_s(dict(shape), rounds, (target, spike_s)) - self.collective_s(dict(shape), rounds)
             got = self._spike_cache[key] = max(0.0, got)
