@@ -428,7 +428,7 @@ def write_report(res: dict) -> None:
       "groups, not the scenario's, so slots went to other nodes than keel.recovery picks. The twin needed no change: "
       "it matches the expectation by hand.\n")
     w("The twin's cost grows with events (faults, checkpoints), the naive model's with nodes x steps, so the ratio "
-      "grows with the horizon: bench/twin_speed.py's 30 days of 46 nodes take the twin under a second.\n")
+      "grows with the horizon: bench/twin_speed.py's 30 days of 46 nodes take the twin about a second (README).\n")
 
     w("## Data: keel's loader against torch's DataLoader\n")
     w(f"Command: `{dcmd}` (bench/data_speed.py). The same in-memory shards, the same kind of batch (micro-batch "
