@@ -100,7 +100,7 @@ class MessageLevel:
         A node's latency spike costs the cut ring about what it costs the whole one when the
         node keeps its place in the vector: its chunk (keel.collective: rank i owns chunk i + 1)
         starts where the node's does, so it sends across regions in the same steps (over random
-        regions of 20-90 nodes cut to 16: the median error 0.00 %, but a few spikes of 0.02-0.1 s
+        regions of 20-90 nodes cut to 16, a scratch script not kept: the median error 0.00 %, but a few spikes of 0.02-0.1 s
         off by 16-200 %, a slack on one ring that the other lacks; hence SPIKE_NODE_CAP)."""
         out: list[tuple[str, ...]] = []
         scale: list[tuple[str, int, int]] = []
@@ -135,12 +135,9 @@ class MessageLevel:
         per_byte = dict(costs.hop_per_byte)            # hops, each of B / n
         for r, n, m in scale:
             stretch[r], per_byte[r] = (n - 1) / (m - 1), costs.hop_per_byte[r] * m / n
-        ranks, first = [], 0
-        for g in groups:
-            ranks.append(tuple(range(first, first + len(g))))
-            first += len(g)
+        ranks = ring_ranks(groups)
         for nbytes, exchange in rounds:
-            for step in collective.plan_for(tuple(ranks), PLAN_LENGTH, exchange):
+            for step in collective.plan_for(ranks, PLAN_LENGTH, exchange):
                 if step.phase.startswith("intra"):
                     yield [(m.src, m.dst, stretch[a] * (costs.hop_latency[a] + nbytes * per_byte[a]), 0.0, 0.0)
                            for m in step.msgs for a in (regions[m.src],)]
@@ -174,3 +171,12 @@ class MessageLevel:
                     cost = cost + spike_s
                 clock[dst] = np.maximum(clock[dst], sent[src] + cost) if draws else max(clock[dst], sent[src] + cost)
         return np.max(clock, axis=0) if draws else max(clock)
+
+
+def ring_ranks(groups: Sequence[Sequence[str]]) -> tuple[tuple[int, ...], ...]:
+    """The ranks of the ring `groups` by region, numbered in ring order (keel.collective's input)."""
+    ranks, first = [], 0
+    for g in groups:
+        ranks.append(tuple(range(first, first + len(g))))
+        first += len(g)
+    return tuple(ranks)

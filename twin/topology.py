@@ -36,7 +36,7 @@ import networkx as nx
 
 from keel import collective, hardware, wire
 from keel.scenario import Scenario, is_node, region_of
-from twin.messages import PLAN_LENGTH, SPIKE_NODE_CAP, MessageLevel
+from twin.messages import PLAN_LENGTH, SPIKE_NODE_CAP, MessageLevel, ring_ranks
 
 GBIT = hardware.GBIT
 
@@ -248,10 +248,7 @@ class Topology(MessageLevel):
         x_fixed = {(a, b): self._latency(a, b) for a, b in pairs}
         groups, scale = self.coarse_ring([[f"{r}/{i}" for i in range(shape[r])] for r in ring])
         names = [n for g in groups for n in g]
-        ranks, first = [], 0
-        for g in groups:
-            ranks.append(tuple(range(first, first + len(g))))
-            first += len(g)
+        ranks = ring_ranks(groups)
 
         def slowest(step: collective.Step) -> dict[tuple[str, str], float]:
             out: dict[tuple[str, str], float] = {}
@@ -263,9 +260,9 @@ class Topology(MessageLevel):
         ring_per_byte: tuple[dict[str, float], ...] = ()
         x_per_byte: dict[tuple[str, str], float] = {}
         if R > 1:
-            steps = [st for st in collective.plan_for(tuple(ranks), PLAN_LENGTH) if st.phase.startswith("inter-")]
+            steps = [st for st in collective.plan_for(ranks, PLAN_LENGTH) if st.phase.startswith("inter-")]
             ring_per_byte = tuple({a: got.get((a, b), 0.0) for a, b in edges} for got in map(slowest, steps))
-            exchange = next(st for st in collective.plan_for(tuple(ranks), PLAN_LENGTH, True)
+            exchange = next(st for st in collective.plan_for(ranks, PLAN_LENGTH, True)
                             if st.phase == "inter-exchange")
             got = slowest(exchange)
             x_per_byte = {p: got.get(p, 0.0) for p in pairs}
